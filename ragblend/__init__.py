@@ -1,0 +1,18 @@
+"""ragblend: CacheBlend (fused chunk KV caches with selective recompute) on HF transformers."""
+
+from ragblend.config import BlendConfig
+from ragblend.engine import BlendEngine, BlendResult, BlendStats, BlendStream
+from ragblend.errors import RagblendError, UnsupportedModelError
+from ragblend.prompt import PromptFormat
+
+__all__ = [
+    "BlendConfig",
+    "BlendEngine",
+    "BlendResult",
+    "BlendStats",
+    "BlendStream",
+    "PromptFormat",
+    "RagblendError",
+    "UnsupportedModelError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,16 @@
+"""CacheBlend fusion: masks and attention for selected rows, token selectors, the fusor loop."""
+
+from ragblend.fusion.attention import attend_rows, position_mask
+from ragblend.fusion.fusor import FusionResult, Segment, fuse
+from ragblend.fusion.selectors import SELECTORS, TokenSelector, make_selector
+
+__all__ = [
+    "SELECTORS",
+    "FusionResult",
+    "Segment",
+    "TokenSelector",
+    "attend_rows",
+    "fuse",
+    "make_selector",
+    "position_mask",
+]

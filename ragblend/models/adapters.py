@@ -1,0 +1,155 @@
+"""Layer-wise access to HF decoder-only models, one small adapter per family.
+
+The fusor runs a model one decoder layer at a time on a subset of rows. Each adapter exposes
+the pieces of an HF decoder layer (projections, RoPE, attention scaling, MLP) using the model's
+own modules and functions, so weights, norms and rotary scaling are exactly HF's.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ragblend.errors import UnsupportedModelError
+
+
+@dataclass
+class LayerProjections:
+    """Q after RoPE, K before and after RoPE, V; shapes [1, heads, rows, head_dim]."""
+
+    q: torch.Tensor
+    k_pre: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class LayerwiseModel:
+    """Llama-family adapter (Llama 2/3, SmolLM2); the other families override small parts."""
+
+    family = "llama"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        attn = self.layers[0].self_attn
+        modeling = sys.modules[type(attn).__module__]
+        self._apply_rotary = modeling.apply_rotary_pos_emb
+        self.num_layers = len(self.layers)
+        self.head_dim = attn.head_dim
+        self.num_heads = self.config.num_attention_heads
+        self.num_kv_heads = self.config.num_key_value_heads
+        self.hidden_size = self.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        elem = torch.finfo(dtype or self.dtype).bits // 8
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids → hidden states [1, T, D]."""
+        return self.decoder.embed_tokens(ids.view(1, -1))
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the model's own rotary embedding at ``positions`` ([T] int64)."""
+        return self.decoder.rotary_emb(like, positions.view(1, -1))
+
+    def rotate(self, k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE to pre-RoPE keys [1, H, T, d] (returns a new tensor)."""
+        return self._apply_rotary(k_pre, k_pre, cos, sin)[1]
+
+    def sliding_window(self, layer: int) -> int | None:
+        return None
+
+    def scaling(self, layer: int) -> float:
+        return float(self.layers[layer].self_attn.scaling)
+
+    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        return q, k, v
+
+    def project(
+        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> LayerProjections:
+        """input_layernorm + Q/K/V projections (+ family norms) + RoPE for the given rows."""
+        block = self.layers[layer]
+        x = block.input_layernorm(hidden)
+        q, k_pre, v = self._qkv(block.self_attn, x)
+        q, k = self._apply_rotary(q, k_pre, cos, sin)
+        return LayerProjections(q=q, k_pre=k_pre, k=k, v=v)
+
+    def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual + post-attention norm + MLP + residual; attn_out [1, T, H*d]."""
+        block = self.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attn_out)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on hidden states [1, T, D] → fp32 logits [T, V]."""
+        return self.model.lm_head(self.decoder.norm(hidden_last))[0].float()
+
+
+class MistralLayerwise(LayerwiseModel):
+    family = "mistral"
+
+    def sliding_window(self, layer: int) -> int | None:
+        return getattr(self.config, "sliding_window", None)
+
+
+class Qwen2Layerwise(LayerwiseModel):
+    family = "qwen2"
+
+    def sliding_window(self, layer: int) -> int | None:
+        return getattr(self.layers[layer].self_attn, "sliding_window", None)
+
+
+class Qwen3Layerwise(Qwen2Layerwise):
+    family = "qwen3"
+
+    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        return q, k, v
+
+
+ADAPTERS: dict[str, type[LayerwiseModel]] = {
+    "LlamaForCausalLM": LayerwiseModel,
+    "MistralForCausalLM": MistralLayerwise,
+    "Qwen2ForCausalLM": Qwen2Layerwise,
+    "Qwen3ForCausalLM": Qwen3Layerwise,
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ADAPTERS)
+
+
+def check_supported(architecture: str) -> type[LayerwiseModel]:
+    try:
+        return ADAPTERS[architecture]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"unsupported model architecture {architecture!r}; ragblend supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None
+
+
+def adapter_for(model: torch.nn.Module) -> LayerwiseModel:
+    """The layer-wise adapter for an HF causal LM (raises UnsupportedModelError otherwise)."""
+    return check_supported(type(model).__name__)(model)

