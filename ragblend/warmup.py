@@ -1,0 +1,119 @@
+"""Background KV precompute: a deduplicating, bounded queue with worker threads."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable
+
+from ragblend.engine import BlendEngine
+from ragblend.prompt import PromptFormat, encode, tokenize_prompt
+
+log = logging.getLogger(__name__)
+_STOP = object()
+
+
+class WarmupQueue:
+    """Precomputes chunks in the background so later queries hit the KV store.
+
+    ``submit`` never blocks the caller for long: duplicates (queued or stored) are dropped and,
+    when the queue is full, the oldest-pending work wins and new texts are counted as dropped.
+    """
+
+    def __init__(
+        self,
+        engine: BlendEngine,
+        prompt_format: PromptFormat | None = None,
+        workers: int = 1,
+        max_pending: int = 10_000,
+    ) -> None:
+        self.engine = engine
+        self.prompt_format = prompt_format or engine.prompt_format
+        self._head = tokenize_prompt(engine.tokenizer, self.prompt_format, ["x"], "").head
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stored = 0
+        self.skipped = 0
+        self.dropped = 0
+        self.errors: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._work, name=f"ragblend-warmup-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, texts: Iterable[str]) -> int:
+        """Enqueue texts not yet stored or queued; returns how many were enqueued."""
+        if self._closed:
+            raise RuntimeError("warmup queue is closed")
+        added = 0
+        for text in texts:
+            if not text or not text.strip():
+                continue
+            with self._lock:
+                if text in self._pending:
+                    continue
+                self._pending.add(text)
+            try:
+                self._queue.put_nowait(text)
+                added += 1
+            except queue.Full:
+                with self._lock:
+                    self._pending.discard(text)
+                self.dropped += 1
+        return added
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def join(self) -> None:
+        """Block until every submitted text has been processed."""
+        self._queue.join()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers: finish queued work (``wait``) or abandon it cleanly."""
+        if self._closed:
+            return
+        self._closed = True
+        if not wait:
+            while True:
+                try:
+                    self._queue.get_nowait()
+                    self._queue.task_done()
+                except queue.Empty:
+                    break
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> WarmupQueue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(wait=exc[0] is None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                ids = encode(self.engine.tokenizer, item)
+                if self.engine.precompute_ids(ids, self._head):
+                    self.stored += 1
+                else:
+                    self.skipped += 1
+            except Exception as exc:  # keep the worker alive; report, never crash the caller
+                log.warning("warmup of a chunk failed: %s", exc)
+                self.errors.append(str(exc))
+            finally:
+                if item is not _STOP:
+                    with self._lock:
+                        self._pending.discard(item)
+                self._queue.task_done()
