@@ -1,7 +1,45 @@
 """KV store: content keys, chunk KV entries and storage tiers."""
 
+from __future__ import annotations
+
+import os
+from typing import Literal
+
 from ragblend.store.base import ChunkKV, KVStore, StoreStats
+from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskChunkKV, DiskStore
 from ragblend.store.keys import chunk_key, model_fingerprint
 from ragblend.store.memory import MemoryStore
+from ragblend.store.tiered import PromotingKV, TieredStore
 
-__all__ = ["ChunkKV", "KVStore", "MemoryStore", "StoreStats", "chunk_key", "model_fingerprint"]
+__all__ = [
+    "ChunkKV",
+    "DiskChunkKV",
+    "DiskStore",
+    "KVStore",
+    "MemoryStore",
+    "PromotingKV",
+    "StoreStats",
+    "TieredStore",
+    "chunk_key",
+    "make_store",
+    "model_fingerprint",
+]
+
+
+def make_store(
+    tier: Literal["ram", "disk", "tiered"] = "ram",
+    path: str | os.PathLike | None = None,
+    ram_bytes: int = 4 << 30,
+    disk_bytes: int = DEFAULT_DISK_BYTES,
+    fsync: bool = True,
+) -> KVStore:
+    """A KV store of the given tier; ``path`` defaults to ``ragblend_home()/kv``."""
+    from ragblend.errors import RagblendError
+
+    if tier == "ram":
+        return MemoryStore(ram_bytes)
+    if tier == "disk":
+        return DiskStore(path, disk_bytes, fsync=fsync)
+    if tier == "tiered":
+        return TieredStore(MemoryStore(ram_bytes), DiskStore(path, disk_bytes, fsync=fsync))
+    raise RagblendError(f"unknown store tier {tier!r}; expected ram, disk or tiered")

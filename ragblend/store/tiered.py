@@ -1,0 +1,119 @@
+"""Tiered store: RAM LRU in front of the disk tier (paper §5: the KV cache store)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ragblend.store.base import ChunkKV, StoreStats
+from ragblend.store.disk import DiskChunkKV, DiskStore
+from ragblend.store.memory import MemoryStore
+
+
+class PromotingKV:
+    """A disk entry read layer by layer into one buffer; once every layer has been read (and
+    verified) the buffer is promoted to the RAM tier, so the next hit is a RAM hit.
+
+    Layers are still read lazily, so pipelined loading keeps overlapping disk reads with compute.
+    """
+
+    def __init__(self, entry: DiskChunkKV, ram: MemoryStore) -> None:
+        self._entry = entry
+        self._ram = ram
+        self.key = entry.key
+        self.meta = entry.meta
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._read: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        return self._entry.num_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return self._entry.num_layers
+
+    @property
+    def nbytes(self) -> int:
+        return self._entry.nbytes
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer (views into the promotion buffer: do not modify)."""
+        with self._lock:
+            if self._k is None:
+                shape = (self.num_layers, *self._entry.layer_shape)
+                self._k = torch.empty(shape, dtype=self._entry.dtype)
+                self._v = torch.empty_like(self._k)
+            if index not in self._read:
+                self._entry.read_layer_into(index, self._k[index], self._v[index])
+                self._read.add(index)
+                if len(self._read) == self.num_layers:
+                    meta = {**self.meta, "tier": "ram"}
+                    self._ram.put(self.key, ChunkKV(self._k, self._v, meta))
+                    self._entry.close()
+            return self._k[index], self._v[index]
+
+    def materialize(self) -> ChunkKV:
+        for i in range(self.num_layers):
+            self.layer(i)
+        return ChunkKV(self._k, self._v, dict(self.meta))
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.materialize().k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.materialize().v
+
+
+class TieredStore:
+    """RAM first, then disk (a disk hit is promoted to RAM once read); puts write through."""
+
+    tier = "tiered"
+    prefetch_depth = 2
+
+    def __init__(self, ram: MemoryStore, disk: DiskStore) -> None:
+        self.ram = ram
+        self.disk = disk
+        self.stats = StoreStats()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.ram or key in self.disk
+
+    def get(self, key: str) -> ChunkKV | PromotingKV | None:
+        kv = self.ram.get(key)
+        if kv is not None:
+            self.stats.count("hits")
+            return kv
+        entry = self.disk.get(key)
+        if entry is None:
+            self.stats.count("misses")
+            return None
+        self.stats.count("hits")
+        return PromotingKV(entry, self.ram)
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        if isinstance(kv, (DiskChunkKV, PromotingKV)):
+            kv = kv.materialize()
+        if kv.k.device.type != "cpu":
+            kv = ChunkKV(kv.k.to("cpu"), kv.v.to("cpu"), kv.meta)
+        self.ram.put(key, kv)
+        self.disk.put(key, kv)
+        self.stats.count("puts")
+
+    def discard(self, key: str) -> None:
+        self.ram.discard(key)
+        self.disk.discard(key)
+
+    def drop_page_cache(self) -> bool:
+        return self.disk.drop_page_cache()
+
+    def close(self) -> None:
+        self.disk.close()
+
+    def __repr__(self) -> str:
+        return f"TieredStore(ram={self.ram.capacity_bytes} B, disk={self.disk!r})"
