@@ -1,0 +1,424 @@
+"""BlendLLM: a LlamaIndex LLM over a ragblend BlendEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
+
+from llama_index.llms.ragblend.prompts import qa_prompt_format
+from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStats, PromptFormat
+from ragblend.config import MODES
+from ragblend.errors import RagblendError
+from ragblend.prompt import encode
+from ragblend.warmup import WarmupQueue
+
+if TYPE_CHECKING:
+    from llama_index.core.indices.base import BaseIndex
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
+    from llama_index.llms.ragblend.warmup import BlendRetrievalHook
+
+log = logging.getLogger(__name__)
+_ROLES = {
+    MessageRole.SYSTEM: "system",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+}
+_DONE = object()
+
+
+class BlendLLM(CustomLLM):
+    """LlamaIndex LLM on a ragblend :class:`BlendEngine` (CacheBlend KV fusion for RAG).
+
+    Without chunks it is a plain local chat model (full prefill). Retrieved chunks reach the
+    engine through :meth:`synthesizer` / :meth:`as_query_engine`, which pass each node as its
+    own chunk so that precomputed chunk KV caches are fused instead of prefilled.
+
+    >>> llm = BlendLLM("embedded")                     # or a local HF dir, or engine=...
+    >>> query_engine = llm.as_query_engine(index, similarity_top_k=6)
+    """
+
+    model: str = Field(default="embedded", description="Model path or 'embedded'.")
+    mode: str = Field(default="blend", description="Engine mode: full, prefix, reuse, blend.")
+    ratio: float | None = Field(
+        default=None, description="Recompute ratio for blend mode (None: engine default)."
+    )
+    max_new_tokens: int | None = Field(
+        default=None, description="Tokens generated per call (None: engine default)."
+    )
+    temperature: float = Field(default=0.0, ge=0.0, description="0 means greedy decoding.")
+
+    _engine: BlendEngine = PrivateAttr()
+    _prompt_format: PromptFormat = PrivateAttr()
+    _warmup: WarmupQueue | None = PrivateAttr(default=None)
+    _warmup_lock: Any = PrivateAttr(default_factory=threading.Lock)
+    _hook: Any = PrivateAttr(default=None)
+    _last_stats: BlendStats | None = PrivateAttr(default=None)
+
+    def __init__(
+        self,
+        model: str = "embedded",
+        *,
+        engine: BlendEngine | None = None,
+        config: BlendConfig | None = None,
+        mode: str | None = None,
+        ratio: float | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        text_qa_template: BasePromptTemplate | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Load ``model`` (or wrap ``engine``); ``text_qa_template`` sets the RAG prompt layout."""
+        if engine is None:
+            engine = BlendEngine.from_pretrained(model, config=config)
+        elif config is not None:
+            raise RagblendError("pass either an engine or a config, not both")
+        mode = mode or engine.config.mode
+        if mode not in MODES:
+            raise RagblendError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        super().__init__(
+            model=engine.name,
+            mode=mode,
+            ratio=ratio,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            **kwargs,
+        )
+        self._engine = engine
+        self._prompt_format = qa_prompt_format(text_qa_template, self.system_prompt)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ragblend_llm"
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def engine(self) -> BlendEngine:
+        """The wrapped engine (share it between BlendLLMs with ``engine=llm.engine``)."""
+        return self._engine
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """Layout of RAG prompts (LlamaIndex's QA template); warmup precomputes in its context."""
+        return self._prompt_format
+
+    @property
+    def last_stats(self) -> BlendStats | None:
+        """Stats of the most recent call that finished (TTFT, hits, recomputed fraction)."""
+        return self._last_stats
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._engine.context_window,
+            num_output=self._max_new(),
+            is_chat_model=True,
+            is_function_calling_model=False,
+            model_name=self._engine.name,
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the engine's tokenizer (e.g. for TokenCountingHandler)."""
+        return encode(self._engine.tokenizer, text)
+
+    # ------------------------------------------------------------------ engine calls
+    def _max_new(self, kwargs: dict | None = None) -> int:
+        value = (kwargs or {}).get("max_new_tokens", self.max_new_tokens)
+        return self._engine.config.max_new_tokens if value is None else int(value)
+
+    def _decoding(self, kwargs: dict) -> dict:
+        return {
+            "max_new_tokens": self._max_new(kwargs),
+            "temperature": float(kwargs.get("temperature", self.temperature)),
+            "top_p": float(kwargs.get("top_p", 1.0)),
+            "top_k": int(kwargs.get("top_k", 0)),
+            "seed": kwargs.get("seed"),
+        }
+
+    def _open_completion(self, prompt: str, formatted: bool, kwargs: dict) -> Any:
+        """Start an engine stream: fused over ``chunks`` when given, else a full prefill."""
+        chunks = kwargs.get("chunks")
+        if chunks is not None:
+            question = kwargs.get("question")
+            if question is None:
+                raise RagblendError("chunks were given without the question")
+            return self._engine.stream(
+                question,
+                list(chunks),
+                mode=kwargs.get("mode", self.mode),
+                ratio=kwargs.get("ratio", self.ratio),
+                prompt_format=kwargs.get("prompt_format") or self._prompt_format,
+                **self._decoding(kwargs),
+            )
+        if formatted:
+            ids = list(self._engine.tokenizer(prompt)["input_ids"])
+        else:
+            messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
+            ids = self._engine.chat_ids(self._chat_dicts(messages, add_system=True))
+        return self._engine.stream_prompt(ids, **self._decoding(kwargs))
+
+    def _open_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> Any:
+        ids = self._engine.chat_ids(self._chat_dicts(messages))
+        return self._engine.stream_prompt(ids, **self._decoding(kwargs))
+
+    def _chat_dicts(self, messages: Sequence[ChatMessage], add_system: bool = False) -> list:
+        out = [{"role": _ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
+        if add_system and self.system_prompt and not any(m["role"] == "system" for m in out):
+            out.insert(0, {"role": "system", "content": self.system_prompt})
+        return out
+
+    @staticmethod
+    def _drain(stream: Any) -> BlendResult:
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _finish(self, result: BlendResult) -> dict:
+        """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``)."""
+        self._last_stats = result.stats
+        stats = result.stats
+        usage = {
+            "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        }
+        return {"usage": usage, "ragblend": stats.as_dict()}
+
+    def _completion(self, result: BlendResult, delta: str | None = None) -> CompletionResponse:
+        raw = self._finish(result)
+        return CompletionResponse(
+            text=result.text, delta=delta, raw=raw, additional_kwargs=dict(raw["usage"])
+        )
+
+    def _chat_response(self, result: BlendResult, delta: str | None = None) -> ChatResponse:
+        raw = self._finish(result)
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+            delta=delta,
+            raw=raw,
+            additional_kwargs=dict(raw["usage"]),
+        )
+
+    def _completion_gen(self, stream: Any) -> Iterator[CompletionResponse]:
+        text = ""
+        for delta in stream:
+            text += delta
+            yield CompletionResponse(text=text, delta=delta)
+        yield self._completion(stream.result, delta="")
+
+    def _chat_gen(self, stream: Any) -> Iterator[ChatResponse]:
+        text = ""
+        for delta in stream:
+            text += delta
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            yield ChatResponse(message=message, delta=delta)
+        yield self._chat_response(stream.result, delta="")
+
+    # ------------------------------------------------------------------ sync API
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete ``prompt``; with ``chunks=[...]`` and ``question=...`` fuse chunk caches."""
+        return self._completion(self._drain(self._open_completion(prompt, formatted, kwargs)))
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        """Stream a completion; the last response (empty delta) carries usage and stats."""
+        return self._completion_gen(self._open_completion(prompt, formatted, kwargs))
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Chat through the model's own chat template (full prefill)."""
+        return self._chat_response(self._drain(self._open_chat(messages, kwargs)))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._chat_gen(self._open_chat(messages, kwargs))
+
+    # ------------------------------------------------------------------ async API
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        """Like :meth:`complete`, run in a worker thread so the event loop stays free."""
+        stream = self._open_completion(prompt, formatted, kwargs)
+        return self._completion(await asyncio.to_thread(self._drain, stream))
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        """Async stream; prefill and decode run in a thread feeding an asyncio queue."""
+        return _athread(self._completion_gen(self._open_completion(prompt, formatted, kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        stream = self._open_chat(messages, kwargs)
+        return self._chat_response(await asyncio.to_thread(self._drain, stream))
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        return _athread(self._chat_gen(self._open_chat(messages, kwargs)))
+
+    # ------------------------------------------------------------------ RAG helpers
+    def synthesizer(
+        self,
+        streaming: bool = False,
+        text_qa_template: BasePromptTemplate | None = None,
+        **kwargs: Any,
+    ) -> BlendSynthesizer:
+        """A stuff-mode synthesizer that hands each retrieved node to the engine as a chunk."""
+        from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
+
+        return BlendSynthesizer(
+            llm=self, streaming=streaming, text_qa_template=text_qa_template, **kwargs
+        )
+
+    def as_query_engine(
+        self,
+        index: BaseIndex,
+        *,
+        streaming: bool = False,
+        text_qa_template: BasePromptTemplate | None = None,
+        warm_on_retrieval: bool = True,
+        **kwargs: Any,
+    ) -> RetrieverQueryEngine:
+        """``index.as_query_engine`` with this LLM and the chunk-preserving synthesizer.
+
+        ``warm_on_retrieval`` also enables :meth:`enable_retrieval_warmup`. Other keyword
+        arguments go to ``index.as_query_engine`` (e.g. ``similarity_top_k``).
+        """
+        if warm_on_retrieval:
+            self.enable_retrieval_warmup()
+        synth = self.synthesizer(streaming=streaming, text_qa_template=text_qa_template)
+        return index.as_query_engine(llm=self, response_synthesizer=synth, **kwargs)
+
+    # ------------------------------------------------------------------ warmup
+    @property
+    def warmup_queue(self) -> WarmupQueue:
+        """Background precompute queue in this LLM's prompt context (created on first use)."""
+        with self._warmup_lock:
+            if self._warmup is None:
+                self._warmup = WarmupQueue(self._engine, prompt_format=self._prompt_format)
+            return self._warmup
+
+    def warmup(self, texts: Iterable[str], only_missing: bool = False) -> int:
+        """Enqueue texts for background KV precompute; returns how many were enqueued."""
+        texts = [t for t in texts if t and t.strip()]
+        if only_missing:
+            texts = [t for t in texts if not self.is_cached(t)]
+        return self.warmup_queue.submit(texts) if texts else 0
+
+    def warmup_nodes(
+        self, nodes: Iterable[BaseNode | NodeWithScore], only_missing: bool = False
+    ) -> int:
+        """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute."""
+        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+        return self.warmup(texts, only_missing=only_missing)
+
+    def is_cached(self, text: str) -> bool:
+        """Whether ``text``'s chunk KV is in the store, in this LLM's prompt context."""
+        return self._engine.is_cached(text, prompt_format=self._prompt_format)
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Block until queued warmup is done (or ``timeout`` s pass); True when all done."""
+        if self._warmup is None:
+            return True
+        if timeout is None:
+            self._warmup.join()
+            return True
+        deadline = time.monotonic() + timeout
+        while self._warmup.pending():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def enable_retrieval_warmup(self, dispatcher: Any = None) -> BlendRetrievalHook:
+        """Enqueue retrieved nodes that miss the store (instrumentation RetrievalEndEvent)."""
+        from llama_index.llms.ragblend.warmup import BlendRetrievalHook
+
+        if self._hook is None:
+            self._hook = BlendRetrievalHook(self)
+            self._hook.attach(dispatcher)
+        return self._hook
+
+    def disable_retrieval_warmup(self) -> None:
+        """Remove the retrieval hook installed by :meth:`enable_retrieval_warmup`."""
+        if self._hook is not None:
+            self._hook.detach()
+            self._hook = None
+
+    def close(self) -> None:
+        """Detach the retrieval hook and stop the warmup workers (finishing queued work)."""
+        self.disable_retrieval_warmup()
+        with self._warmup_lock:
+            queue, self._warmup = self._warmup, None
+        if queue is not None:
+            queue.close()
+
+
+def _athread(gen: Iterator[Any]) -> AsyncIterator[Any]:
+    """Run a blocking generator in a daemon thread; iterate its items asynchronously."""
+
+    async def agen() -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+
+        def put(item: Any, exc: BaseException | None = None) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (item, exc))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                stop.set()
+
+        def produce() -> None:
+            try:
+                for item in gen:
+                    if stop.is_set():  # the consumer went away: stop decoding
+                        gen.close()
+                        return
+                    put(item)
+            except BaseException as exc:  # forwarded to the consumer
+                put(_DONE, exc)
+                return
+            put(_DONE)
+
+        threading.Thread(target=produce, name="ragblend-llamaindex-stream", daemon=True).start()
+        try:
+            while True:
+                item, exc = await queue.get()
+                if item is _DONE:
+                    if exc is not None:
+                        raise exc
+                    return
+                yield item
+        finally:
+            stop.set()
+
+    return agen()
