@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ragblend.config import MODES, BlendConfig
-from ragblend.errors import RagblendError
+from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fusion.fusor import FusionResult, Segment, fuse
 from ragblend.fusion.selectors import make_selector
 from ragblend.models.adapters import LayerwiseModel, adapter_for
@@ -56,6 +56,12 @@ class Prefill:
     prompt_ids: list[int]
     stats: BlendStats
     fusion: FusionResult | None = None
+
+    def copy(self) -> Prefill:
+        """An independent copy (decoding mutates the cache)."""
+        return Prefill(
+            self.logits, copy.deepcopy(self.cache), self.prompt_ids, copy.copy(self.stats), self.fusion
+        )
 
 
 @dataclass
@@ -125,6 +131,15 @@ class BlendEngine:
         name = "SmolLM2-135M-Instruct" if name_or_path == "embedded" else str(name_or_path)
         return cls(model, tokenizer, config, store, prompt_format, name=name)
 
+    def with_config(self, **overrides) -> BlendEngine:
+        """A view of this engine (same model and store) with some config fields changed."""
+        from dataclasses import replace
+
+        clone = copy.copy(self)
+        clone.config = replace(self.config, **overrides)
+        clone.selector = make_selector(clone.config.selector, clone.config.deviation)
+        return clone
+
     # ------------------------------------------------------------------ prompts and keys
     @property
     def context_window(self) -> int:
@@ -172,6 +187,7 @@ class BlendEngine:
             lay.head_dim,
             lay.device,
             lay.dtype,
+            prefetch=getattr(self.store, "prefetch_depth", 0),
         )
 
     def _compute_kv(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
@@ -185,6 +201,7 @@ class BlendEngine:
         k = torch.stack([k[0] for k in out.pre_rope_keys]).contiguous()
         v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
         meta = {"fingerprint": self.fingerprint, "dtype": str(self.layers.dtype), "tokens": len(ids)}
+        meta["context"] = self.chunk_key([], context_ids)[:16]  # the precompute context's hash
         return ChunkKV(k=k, v=v, meta=meta)
 
     def prefix_kv(self, head: list[int]) -> ChunkKV | None:
@@ -249,6 +266,12 @@ class BlendEngine:
         self._check_length(len(ids))
         stats = BlendStats(mode=mode, prompt_tokens=len(ids))
         stats.chunk_tokens = sum(len(c) for c in prompt.chunks)
+        if mode == "blend":
+            decision = self._controller_decision(ratio, len(ids))
+            if decision is not None:
+                stats.extra["controller"] = decision
+                if decision["fallback_full"]:  # loading would be slower than a full prefill
+                    mode = "full"
         if mode == "full":
             out = self._forward(ids, None)
             logits, cache, fusion = out.logits[0, -1].float(), out.past_key_values, None
@@ -293,6 +316,16 @@ class BlendEngine:
         return cache
 
     def _fused_prefill(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
+        """Fused prefill; a stored entry that fails verification is dropped and recomputed."""
+        for _ in range(len(prompt.chunks) + 1):
+            try:
+                return self._fused_prefill_once(prompt, mode, ratio, stats)
+            except CorruptEntryError as exc:
+                log.warning("%s; recomputing it", exc)
+                getattr(self.store, "discard", lambda key: None)(exc.key)
+        return self._fused_prefill_once(prompt, mode, ratio, stats)
+
+    def _fused_prefill_once(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
         t_load = time.perf_counter()
         context_ids = self._context_ids(prompt.head)
         segments = [Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True)]
@@ -326,23 +359,35 @@ class BlendEngine:
     def _choose_ratio(self, ratio, prompt: TokenizedPrompt, stats: BlendStats) -> float:
         if ratio is not None and ratio != "auto":
             return float(ratio)
-        if self.config.ratio != "auto":
+        decision = stats.extra.get("controller") or self._controller_decision(ratio, len(prompt))
+        if decision is None:
             return float(self.config.ratio)
-        if self.controller is None:
-            return 0.15
-        decision = self.controller.decide(len(prompt))
         stats.extra["controller"] = decision
         return decision["ratio"]
 
+    def _controller_decision(self, ratio, n_tokens: int) -> dict | None:
+        """The loading controller's decision when the ratio is "auto" (controller made lazily)."""
+        if ratio not in (None, "auto") or (ratio is None and self.config.ratio != "auto"):
+            return None
+        if self.controller is None:
+            from ragblend.controller import LoadingController
+
+            self.controller = LoadingController.for_engine(self)
+        return self.controller.decide(n_tokens)
+
     # ------------------------------------------------------------------ generation
+    def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
+        """Greedy answer ids from a copy of ``prefill`` (EOS excluded)."""
+        return list(self._decode(prefill.copy(), max_new_tokens, 0.0, 1.0, 0, None))
+
     def _decode(
         self,
         prefill: Prefill,
         max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        seed: int | None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
     ) -> Iterator[int]:
         from transformers import (
             LogitsProcessorList,
@@ -403,9 +448,10 @@ class BlendEngine:
         seed: int | None = None,
     ) -> BlendStream:
         """Like :meth:`generate` but yields text as it is produced."""
+        started = time.perf_counter()
         prompt = self.tokenize(question, chunks, prompt_format)
         return self.stream_prompt(
-            prompt, mode, ratio, max_new_tokens, temperature, top_p, top_k, seed
+            prompt, mode, ratio, max_new_tokens, temperature, top_p, top_k, seed, started
         )
 
     def stream_prompt(
@@ -418,8 +464,12 @@ class BlendEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        started: float | None = None,
     ) -> BlendStream:
-        """Stream from a tokenised prompt; a plain id list is prefilled in full mode."""
+        """Stream from a tokenised prompt; a plain id list is prefilled in full mode.
+
+        ``started`` (a perf_counter value) backdates TTFT to include tokenisation.
+        """
         max_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         holder = BlendStream(iter(()))
 
@@ -433,6 +483,8 @@ class BlendEngine:
                 pre = Prefill(out.logits[0, -1].float(), out.past_key_values, prompt, stats)
             else:
                 pre = self.prefill(prompt, mode, ratio)
+            if started is not None:
+                pre.stats.ttft_ms = (time.perf_counter() - started) * 1000
             t0 = time.perf_counter()
             tokens: list[int] = []
             text = ""

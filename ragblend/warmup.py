@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from ragblend.engine import BlendEngine
+from ragblend.errors import CorruptEntryError
 from ragblend.prompt import PromptFormat, encode, tokenize_prompt
 
 log = logging.getLogger(__name__)
@@ -18,7 +19,10 @@ class WarmupQueue:
     """Precomputes chunks in the background so later queries hit the KV store.
 
     ``submit`` never blocks the caller for long: duplicates (queued or stored) are dropped and,
-    when the queue is full, the oldest-pending work wins and new texts are counted as dropped.
+    when the queue is full, the oldest-pending work wins and new texts are counted as dropped
+    (``block=True`` waits for room instead, for batch jobs). Items are chunk texts or, with
+    ``submit_ids``, token ids. ``on_done(stored)`` is called after each item (False: skipped or
+    failed), e.g. to drive a progress bar.
     """
 
     def __init__(
@@ -27,12 +31,14 @@ class WarmupQueue:
         prompt_format: PromptFormat | None = None,
         workers: int = 1,
         max_pending: int = 10_000,
+        on_done: Callable[[bool], None] | None = None,
     ) -> None:
         self.engine = engine
         self.prompt_format = prompt_format or engine.prompt_format
         self._head = tokenize_prompt(engine.tokenizer, self.prompt_format, ["x"], "").head
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._pending: set[str] = set()
+        self._pending: set[str | tuple[int, ...]] = set()
+        self.on_done = on_done
         self._lock = threading.Lock()
         self._closed = False
         self.stored = 0
@@ -46,24 +52,32 @@ class WarmupQueue:
         for t in self._threads:
             t.start()
 
-    def submit(self, texts: Iterable[str]) -> int:
+    def submit(self, texts: Iterable[str], block: bool = False) -> int:
         """Enqueue texts not yet stored or queued; returns how many were enqueued."""
+        return self._submit((t for t in texts if t and t.strip()), block)
+
+    def submit_ids(self, chunks: Iterable[Sequence[int]], block: bool = False) -> int:
+        """Enqueue tokenised chunks (exactly these ids are precomputed and keyed)."""
+        return self._submit((tuple(int(t) for t in c) for c in chunks if len(c)), block)
+
+    def _submit(self, items: Iterable[str | tuple[int, ...]], block: bool) -> int:
         if self._closed:
             raise RuntimeError("warmup queue is closed")
         added = 0
-        for text in texts:
-            if not text or not text.strip():
-                continue
+        for item in items:
             with self._lock:
-                if text in self._pending:
+                if item in self._pending:
                     continue
-                self._pending.add(text)
+                self._pending.add(item)
             try:
-                self._queue.put_nowait(text)
+                if block:
+                    self._queue.put(item)
+                else:
+                    self._queue.put_nowait(item)
                 added += 1
             except queue.Full:
                 with self._lock:
-                    self._pending.discard(text)
+                    self._pending.discard(item)
                 self.dropped += 1
         return added
 
@@ -101,11 +115,16 @@ class WarmupQueue:
     def _work(self) -> None:
         while True:
             item = self._queue.get()
+            stored = False
             try:
                 if item is _STOP:
                     return
-                ids = encode(self.engine.tokenizer, item)
-                if self.engine.precompute_ids(ids, self._head):
+                ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
+                try:
+                    stored = self.engine.precompute_ids(ids, self._head)
+                except CorruptEntryError:  # a damaged stored prefix: it was dropped, so retry
+                    stored = self.engine.precompute_ids(ids, self._head)
+                if stored:
                     self.stored += 1
                 else:
                     self.skipped += 1
@@ -116,4 +135,9 @@ class WarmupQueue:
                 if item is not _STOP:
                     with self._lock:
                         self._pending.discard(item)
+                    if self.on_done is not None:
+                        try:
+                            self.on_done(stored)
+                        except Exception as exc:  # a progress callback must not kill the worker
+                            log.debug("warmup on_done callback failed: %s", exc)
                 self._queue.task_done()

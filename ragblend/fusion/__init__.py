@@ -1,12 +1,13 @@
 """CacheBlend fusion: masks and attention for selected rows, token selectors, the fusor loop."""
 
-from ragblend.fusion.attention import attend_rows, position_mask
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import FusionResult, Segment, fuse
 from ragblend.fusion.selectors import SELECTORS, TokenSelector, make_selector
 
 __all__ = [
     "SELECTORS",
     "FusionResult",
+    "RowAttentionPlan",
     "Segment",
     "TokenSelector",
     "attend_rows",

@@ -5,17 +5,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Selected rows are split into this many position-ordered blocks at most; each block only
+# reads keys up to its last row's position, which recovers most of causal attention's saving.
+MAX_BLOCKS = 16
+MIN_BLOCK_ROWS = 96
+
 
 def position_mask(
-    query_positions: torch.Tensor, num_keys: int, sliding_window: int | None = None
+    query_positions: torch.Tensor,
+    num_keys: int,
+    sliding_window: int | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """Boolean [m, N] mask: query at original position p may see key j iff j <= p.
+    """Boolean [m, K] mask: query at original position p may see key j iff j <= p.
 
     Built from the queries' original positions, not aligned to the bottom-right corner, so a
     selected early token never sees later keys. With a sliding window W, also j > p - W
-    (HF's convention).
+    (HF's convention). Keys are positions ``key_start … key_start + num_keys - 1``.
     """
-    keys = torch.arange(num_keys, device=query_positions.device)
+    keys = torch.arange(key_start, key_start + num_keys, device=query_positions.device)
     q = query_positions.view(-1, 1)
     mask = keys.view(1, -1) <= q
     if sliding_window is not None:
@@ -23,23 +31,57 @@ def position_mask(
     return mask
 
 
-def attend_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """SDPA for q [1, H, m, d] over k, v [1, Hkv, N, d] (GQA-aware) → [1, m, H*d].
+def row_blocks(positions: list[int], max_blocks: int = MAX_BLOCKS) -> list[tuple[int, int]]:
+    """Split ascending positions into contiguous [start, end) blocks of similar size."""
+    m = len(positions)
+    count = max(1, min(max_blocks, m // MIN_BLOCK_ROWS))
+    bounds = [round(i * m / count) for i in range(count + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    ``mask=None`` means plain causal attention with m == N.
+
+class RowAttentionPlan:
+    """Blocks and additive masks for one set of query positions, reused across layers.
+
+    The selected rows only change at check layers, so masks are built once per selection
+    (and sliding window) instead of once per layer.
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).reshape(1, q.shape[2], -1)
+
+    def __init__(
+        self, positions: torch.Tensor, groups: int, dtype: torch.dtype, sliding_window: int | None
+    ) -> None:
+        pos = positions.tolist()
+        self.num_rows = len(pos)
+        self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
+        for a, b in row_blocks(pos):
+            end = pos[b - 1] + 1
+            start = 0 if sliding_window is None else max(0, pos[a] - int(sliding_window) + 1)
+            allowed = position_mask(positions[a:b], end - start, sliding_window, key_start=start)
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+            bias.masked_fill_(~allowed, float("-inf"))
+            bias = bias.unsqueeze(0).expand(groups, b - a, end - start).reshape(groups * (b - a), -1)
+            self.blocks.append((a, b, start, end, bias))
+
+
+def attend_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowAttentionPlan, scaling: float
+) -> torch.Tensor:
+    """Attention for the plan's query rows over keys 0…N-1 → [1, m, H*d].
+
+    q [1, H, m, d]; k, v [1, Hkv, N, d]. GQA is handled by folding each KV head's group of
+    query heads into the row axis (no K/V copies); rows are processed in position-ordered
+    blocks so a block never reads keys past its last row.
+    """
+    _, heads, m, dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    q = q.reshape(1, kv_heads, groups, m, dim)
+    outs = []
+    for a, b, start, end, bias in plan.blocks:
+        rows = b - a
+        qb = q[:, :, :, a:b].reshape(1, kv_heads, groups * rows, dim)
+        out = F.scaled_dot_product_attention(
+            qb, k[:, :, start:end], v[:, :, start:end], attn_mask=bias, scale=scaling
+        )
+        outs.append(out.view(1, kv_heads, groups, rows, dim))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.reshape(1, heads, m, dim).transpose(1, 2).reshape(1, m, heads * dim)

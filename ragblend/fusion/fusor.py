@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragblend.fusion.attention import attend_rows, position_mask
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.selectors import TokenSelector
 from ragblend.models.adapters import LayerwiseModel
 from ragblend.store.base import ChunkKV
@@ -99,6 +99,8 @@ def fuse(
     rows_per_layer: list[int] = []
     deviations: dict[int, torch.Tensor] = {}
 
+    groups = model.num_heads // model.num_kv_heads
+    plans: dict[int | None, RowAttentionPlan] = {}
     for layer, k_cached, v_cached in layers:
         proj = model.project(layer, hidden, cos_all[:, active], sin_all[:, active])
         if capture_pre_rope:
@@ -113,8 +115,11 @@ def fuse(
         k_full = model.rotate(k_cached, cos_all, sin_all)
         k_full[:, :, active] = proj.k
         v_cached[:, :, active] = proj.v
-        mask = position_mask(active, n, model.sliding_window(layer))
-        attn = attend_rows(proj.q, k_full, v_cached, mask, model.scaling(layer))
+        window = model.sliding_window(layer)
+        plan = plans.get(window)
+        if plan is None:
+            plan = plans[window] = RowAttentionPlan(active, groups, proj.q.dtype, window)
+        attn = attend_rows(proj.q, k_full, v_cached, plan, model.scaling(layer))
         hidden = model.finish(layer, hidden, attn)
         keys.append(k_full)
         values.append(v_cached)
@@ -122,6 +127,7 @@ def fuse(
         if keep is not None:
             hidden = hidden[:, keep]
             active = active[keep]
+            plans.clear()
 
     logits = model.logits(hidden[:, -1:])[-1]
     return FusionResult(

@@ -1,0 +1,1 @@
+"""Benchmark harness: datasets, fidelity metrics, the interleaved runner and plots."""

@@ -1,0 +1,109 @@
+"""``ragblend bench``: TTFT and fidelity of full / prefix / reuse / blend on a QA dataset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ragblend.config import MODES, BlendConfig
+
+
+def add_parser(sub) -> None:
+    defaults = BlendConfig()
+    p = sub.add_parser("bench", help="benchmark modes on a MuSiQue-format dataset")
+    p.add_argument("--dataset", required=True, help="JSON list of {question, answers, ctxs}")
+    p.add_argument("--limit", type=int, default=None, help="first N questions")
+    p.add_argument("--top-k", type=int, default=6, help="chunks per question (first k ctxs)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="cut each chunk to N tokens")
+    p.add_argument("--modes", default="full,prefix,reuse,blend", help="comma-separated modes")
+    p.add_argument("--ratio", type=float, default=None,
+                   help=f"blend recompute ratio (default: engine default {defaults.ratio})")
+    p.add_argument("--selector", default=None,
+                   help=f"token selector (default: engine default {defaults.selector})")
+    p.add_argument("--tier", choices=("ram", "disk"), default="ram", help="where chunk KV lives")
+    p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
+    p.add_argument("--repeats", type=int, default=3, help="TTFT repetitions per question")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from ragblend.bench.datasets import load_cases
+    from ragblend.bench.harness import Variant, run_benchmark
+    from ragblend.bench.plots import plot_ttft_vs_quality
+    from ragblend.engine import BlendEngine
+    from ragblend.errors import RagblendError
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise RagblendError(f"unknown mode {m!r}; expected some of {', '.join(MODES)}")
+    overrides = {"device": args.device}
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    if args.ratio is not None:
+        overrides["ratio"] = args.ratio
+    if args.selector:
+        overrides["selector"] = args.selector
+    config = BlendConfig(**overrides)
+    store = None
+    before = None
+    if args.tier == "disk":
+        from ragblend.store import make_store
+
+        path = args.store_path or tempfile.mkdtemp(prefix="ragblend-bench-kv-")
+        store = make_store("disk", path=path)
+        drop = getattr(store, "drop_page_cache", None)
+
+        def before(variant):  # cold reads: no RAM tier, OS page cache dropped
+            if drop is not None and variant.mode in ("reuse", "blend"):
+                drop()
+
+    engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
+    cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
+    variants = [Variant(m, m) for m in modes]
+    results = run_benchmark(engine, cases, variants, args.repeats, args.max_new_tokens, before)
+    results["settings"] = {
+        "model": engine.name,
+        "device": args.device,
+        "dtype": str(engine.layers.dtype).replace("torch.", ""),
+        "top_k": args.top_k,
+        "chunk_tokens": args.chunk_tokens,
+        "ratio": config.ratio,
+        "check_layers": list(config.check_layers),
+        "check_ratios": list(config.check_ratios) if config.check_ratios else None,
+        "selector": config.selector,
+        "deviation": config.deviation,
+        "precompute_context": config.precompute_context,
+        "tier": args.tier,
+        "n": len(cases),
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    plot_ttft_vs_quality(results, out / "ttft_vs_quality.png")
+    print_table(results)
+    print(f"wrote {out / 'results.json'} and {out / 'ttft_vs_quality.png'}")
+    return 0
+
+
+def print_table(results: dict) -> None:
+    cols = ("ttft_ms_median", "f1", "agreement_with_full", "first_token_kl_mean",
+            "answer_kl_mean", "recomputed_fraction_mean")
+    print(f"{'mode':<14}" + "".join(f"{c:>22}" for c in cols) + f"{'speedup':>10}")
+    for name, m in results["modes"].items():
+        sp = results["speedup_vs_full"].get(name, 1.0)
+        print(f"{name:<14}" + "".join(f"{m[c]:>22.4f}" for c in cols) + f"{sp:>10.2f}")

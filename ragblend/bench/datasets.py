@@ -1,0 +1,52 @@
+"""Evaluation cases in the MuSiQue / CacheBlend format."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragblend.errors import RagblendError
+
+
+@dataclass
+class Case:
+    question: str
+    answers: list[str]
+    chunks: list[str]
+
+
+def cut_to_tokens(tokenizer, text: str, max_tokens: int) -> str:
+    """The longest prefix of ``text`` covering at most ``max_tokens`` tokens (cut, never pad)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if len(offsets) <= max_tokens:
+        return text
+    return text[: offsets[max_tokens - 1][1]]
+
+
+def load_cases(
+    path: str | Path, tokenizer, top_k: int = 6, chunk_tokens: int = 512, limit: int | None = None
+) -> list[Case]:
+    """Read a JSON list of ``{question, answers, ctxs: [{title, text}]}``; chunks = first top-k."""
+    path = Path(path)
+    if not path.is_file():
+        raise RagblendError(f"dataset {path} not found")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RagblendError(f"dataset {path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, list):
+        raise RagblendError(f"dataset {path} must be a JSON list of cases")
+    cases = []
+    for i, item in enumerate(raw[:limit] if limit else raw):
+        try:
+            ctxs = item["ctxs"][:top_k]
+            chunks = []
+            for c in ctxs:
+                text = (c.get("title") + "\n" if c.get("title") else "") + c["text"]
+                chunks.append(cut_to_tokens(tokenizer, text, chunk_tokens))
+            cases.append(Case(str(item["question"]), list(item.get("answers", [])), chunks))
+        except (KeyError, TypeError) as exc:
+            raise RagblendError(f"case {i} of {path} is malformed: missing {exc}") from None
+    return cases

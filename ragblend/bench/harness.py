@@ -1,0 +1,142 @@
+"""The interleaved benchmark runner behind ``ragblend bench`` and the sweep scripts."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ragblend.bench.datasets import Case
+from ragblend.bench.metrics import best_f1, kl_divergence, normalize_answer
+from ragblend.engine import BlendEngine
+
+
+@dataclass
+class Variant:
+    """One configuration under test: a mode plus BlendConfig overrides."""
+
+    name: str
+    mode: str
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class Record:
+    ttft_ms: list[float] = field(default_factory=list)
+    answer: str = ""
+    f1: float = 0.0
+    agrees: bool = False
+    first_token_kl: float = 0.0
+    answer_kl: float = 0.0
+    recomputed_fraction: float = 1.0
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(statistics.fmean(xs)) if xs else float("nan")
+
+
+def run_benchmark(
+    engine: BlendEngine,
+    cases: Sequence[Case],
+    variants: Sequence[Variant],
+    repeats: int = 3,
+    max_new_tokens: int = 32,
+    before_measure: Callable[[Variant], None] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run every variant on every case, interleaved per question; returns per-variant summaries.
+
+    A ``full`` reference runs first for each question (greedy answer, teacher-forced logits);
+    TTFT of each variant is the median of ``repeats`` interleaved measurements, from the call
+    with (chunks, question) to the first token's logits.
+    """
+    if not any(v.mode == "full" for v in variants):
+        variants = [Variant("full", "full"), *variants]
+    views = {v.name: engine.with_config(**v.overrides) for v in variants}
+    records: dict[str, list[Record]] = {v.name: [] for v in variants}
+    warmup_s = 0.0
+    iterator = cases
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(cases, desc="bench", unit="question")
+    for case in iterator:
+        t0 = time.perf_counter()
+        for v in variants:
+            if v.mode in ("reuse", "blend"):
+                views[v.name].precompute(case.chunks)
+        warmup_s += time.perf_counter() - t0
+        prefills = {}
+        recs = {v.name: Record() for v in variants}
+        for _ in range(repeats):
+            for v in variants:
+                if before_measure is not None:
+                    before_measure(v)
+                view = views[v.name]
+                start = time.perf_counter()
+                prompt = view.tokenize(case.question, case.chunks)
+                pre = view.prefill(prompt, v.mode)
+                recs[v.name].ttft_ms.append((time.perf_counter() - start) * 1000)
+                prefills[v.name] = pre
+        ref_name = next(v.name for v in variants if v.mode == "full")
+        ref = prefills[ref_name]
+        ref_ids = engine.greedy_answer(ref, max_new_tokens)
+        ref_text = engine.tokenizer.decode(ref_ids, skip_special_tokens=True)
+        ref_tf = engine.teacher_forced_logits(ref, ref_ids)
+        for v in variants:
+            pre, rec = prefills[v.name], recs[v.name]
+            ids = ref_ids if v.name == ref_name else views[v.name].greedy_answer(pre, max_new_tokens)
+            rec.answer = engine.tokenizer.decode(ids, skip_special_tokens=True)
+            rec.f1 = best_f1(rec.answer, case.answers)
+            rec.agrees = normalize_answer(rec.answer) == normalize_answer(ref_text)
+            rec.first_token_kl = float(kl_divergence(ref.logits, pre.logits))
+            tf = ref_tf if v.name == ref_name else engine.teacher_forced_logits(pre, ref_ids)
+            rec.answer_kl = float(kl_divergence(ref_tf, tf).mean())
+            rec.recomputed_fraction = pre.stats.recomputed_fraction
+            records[v.name].append(rec)
+            del pre
+        prefills.clear()
+    return summarize(records, ref_name, warmup_s, len(cases))
+
+
+def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, n: int) -> dict:
+    modes = {}
+    for name, recs in records.items():
+        ttfts = [_median(r.ttft_ms) for r in recs]
+        modes[name] = {
+            "ttft_ms_median": _median(ttfts),
+            "ttft_ms_mean": _mean(ttfts),
+            "f1": _mean([r.f1 for r in recs]),
+            "agreement_with_full": _mean([float(r.agrees) for r in recs]),
+            "first_token_kl_mean": _mean([r.first_token_kl for r in recs]),
+            "answer_kl_mean": _mean([r.answer_kl for r in recs]),
+            "recomputed_fraction_mean": _mean([r.recomputed_fraction for r in recs]),
+            "n": len(recs),
+        }
+    ref = records[ref_name]
+    speedup = {}
+    for name, recs in records.items():
+        if name == ref_name:
+            continue
+        ratios = [_median(a.ttft_ms) / _median(b.ttft_ms) for a, b in zip(ref, recs)]
+        speedup[name] = _median(ratios)
+    answers = [
+        {name: recs[i].answer for name, recs in records.items()} for i in range(n)
+    ]
+    return {
+        "modes": modes,
+        "speedup_vs_full": speedup,
+        "warmup_s": warmup_s,
+        "answers": answers,
+    }
+
+
+def torch_threads() -> int:
+    return torch.get_num_threads()

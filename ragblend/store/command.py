@@ -1,0 +1,108 @@
+"""``ragblend cache stats | verify | gc``: inspect and repair the disk KV store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ragblend.errors import RagblendError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cache", help="inspect, verify and clean the disk KV store")
+    cmds = p.add_subparsers(dest="cache_command", required=True)
+    for name, text in (
+        ("stats", "entry count, sizes per tier, hit/miss counters"),
+        ("verify", "read every entry and check its checksums and metadata"),
+        ("gc", "drop corrupt/foreign entries, orphan and stale temp files; evict to --max-bytes"),
+    ):
+        c = cmds.add_parser(name, help=text, description=text)
+        c.add_argument("--store-path", default=None,
+                       help="disk store (default: ragblend_home()/kv)")
+        c.add_argument("--json", action="store_true", help="print the report as JSON")
+        if name == "verify":
+            c.add_argument("--drop", action="store_true", help="drop the entries that fail")
+        if name == "gc":
+            c.add_argument("--max-bytes", type=int, default=None,
+                           help="evict least recently used entries down to this size")
+            c.add_argument("--grace", type=float, default=3600.0,
+                           help="leave unindexed/temp files younger than this many seconds")
+    p.set_defaults(func=run)
+
+
+def _open(path: str | None):
+    from ragblend.store.disk import DiskStore, default_store_path
+
+    root = Path(path) if path else default_store_path()
+    if not (root / "index").is_dir():
+        raise RagblendError(f"no KV store at {root}")
+    return DiskStore(root, capacity_bytes=2**62)
+
+
+def run(args: argparse.Namespace) -> int:
+    store = _open(args.store_path)
+    try:
+        if args.cache_command == "stats":
+            report = stats(store)
+            code = 0
+        elif args.cache_command == "verify":
+            report = store.verify(drop=args.drop)
+            bad = report["corrupt"] + report["foreign"]
+            report["dropped"] = bad if args.drop else 0
+            code = 1 if bad and not args.drop else 0
+        else:
+            if args.max_bytes is not None:
+                store.capacity_bytes = int(args.max_bytes)
+            report = store.gc(grace_s=args.grace)
+            code = 0
+    finally:
+        store.close()
+    _print(args.cache_command, report, args.json)
+    return code
+
+
+def stats(store) -> dict:
+    """Sizes and counters of a disk store (the RAM tier lives inside each process)."""
+    from ragblend.store.disk import FORMAT_VERSION, checksum_algorithm
+
+    return {
+        "path": str(store.path),
+        "format_version": FORMAT_VERSION,
+        "checksum": checksum_algorithm(),
+        "entries": len(store),
+        "tiers": {
+            "disk": {"bytes": store.nbytes, "on_disk": store.disk_usage()},
+            "ram": "per process (not persistent)",
+        },
+        "counters": store.counters(),
+    }
+
+
+def _print(command: str, report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    if command == "stats":
+        disk = report["tiers"]["disk"]
+        c = report["counters"]
+        lookups = c["hits"] + c["misses"]
+        rate = f" ({c['hits'] / lookups:.0%} hits)" if lookups else ""
+        print(f"store      {report['path']} (format v{report['format_version']}, "
+              f"{report['checksum']})")
+        print(f"entries    {report['entries']}")
+        print(f"disk tier  {disk['bytes']:,} B of entries; on disk: data "
+              f"{disk['on_disk']['data']:,} B, index {disk['on_disk']['index']:,} B, "
+              f"temp {disk['on_disk']['tmp']:,} B")
+        print("ram tier   per process (not persistent)")
+        print(f"lookups    {c['hits']} hits, {c['misses']} misses{rate}; "
+              f"{c['puts']} puts, {c['evictions']} evictions")
+        return
+    print(f"ok {report['ok']}, corrupt {report['corrupt']}, foreign {report['foreign']}")
+    for key, reason in report["errors"]:
+        print(f"  {key[:16]}…  {reason}")
+    if command == "verify" and report.get("dropped"):
+        print(f"dropped {report['dropped']} entries")
+    if command == "gc":
+        print(f"removed {report['orphans']} orphan files, {report['stale_tmp']} stale temp files; "
+              f"evicted {report['evicted']} entries")
