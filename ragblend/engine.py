@@ -321,7 +321,7 @@ class BlendEngine:
             try:
                 return self._fused_prefill_once(prompt, mode, ratio, stats)
             except CorruptEntryError as exc:
-                log.warning("%s; recomputing it", exc)
+                log.info("%s; recomputing it", exc)  # the store has warned already
                 getattr(self.store, "discard", lambda key: None)(exc.key)
         return self._fused_prefill_once(prompt, mode, ratio, stats)
 
