@@ -311,12 +311,20 @@ class BlendLLM(CustomLLM):
         """``index.as_query_engine`` with this LLM and the chunk-preserving synthesizer.
 
         ``warm_on_retrieval`` also enables :meth:`enable_retrieval_warmup`. Other keyword
-        arguments go to ``index.as_query_engine`` (e.g. ``similarity_top_k``).
+        arguments go to ``index.as_query_engine`` (e.g. ``similarity_top_k``); a
+        ``callback_manager`` is also given to the synthesizer and this LLM.
         """
         if warm_on_retrieval:
             self.enable_retrieval_warmup()
+        # the index's retriever rejects a second callback manager, and index.as_query_engine
+        # gives the LLM the index's one: install ours on the synthesizer (and LLM) afterwards
+        manager = kwargs.pop("callback_manager", None)
         synth = self.synthesizer(streaming=streaming, text_qa_template=text_qa_template)
-        return index.as_query_engine(llm=self, response_synthesizer=synth, **kwargs)
+        query_engine = index.as_query_engine(llm=self, response_synthesizer=synth, **kwargs)
+        if manager is not None:
+            synth.callback_manager = manager
+            query_engine.callback_manager = manager
+        return query_engine
 
     # ------------------------------------------------------------------ warmup
     @property

@@ -17,6 +17,7 @@ from llama_index.core.schema import BaseNode, TransformComponent
 from llama_index.llms.ragblend.base import BlendLLM
 
 log = logging.getLogger(__name__)
+_CACHED_MODES = ("reuse", "blend")  # the modes that read chunk caches
 
 
 class BlendWarmup(TransformComponent):
@@ -72,7 +73,7 @@ class BlendRetrievalHook(BaseEventHandler):
         return "BlendRetrievalHook"
 
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
-        if not isinstance(event, RetrievalEndEvent):
+        if not isinstance(event, RetrievalEndEvent) or self._llm.mode not in _CACHED_MODES:
             return
         try:
             self.enqueued += self._llm.warmup_nodes(event.nodes, only_missing=True)
