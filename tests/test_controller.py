@@ -1,0 +1,129 @@
+"""Loading controller: ratio = max(r*, r_load), full-prefill fallback, cached profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import CHUNKS, QUESTION, tiny_model
+
+from ragblend import BlendConfig, BlendEngine
+from ragblend import controller as ctl
+from ragblend.controller import LoadingController, Profile
+from ragblend.store import DiskStore, MemoryStore, TieredStore
+
+
+def profile(ms_per_token=1.0, disk=None, ram=1e12, bytes_per_token=1000) -> Profile:
+    """Injected numbers: prefill 1 ms/token; loading takes bytes_per_token / bandwidth s/token."""
+    bandwidth = {"ram": ram}
+    if disk is not None:
+        bandwidth["disk"] = disk
+    return Profile("fp", "cpu", 0.0, ms_per_token, bytes_per_token, bandwidth)
+
+
+def test_fast_loading_keeps_the_quality_floor_r_star():
+    decision = LoadingController(profile(), tier="ram").decide(1000)
+    assert decision["ratio"] == pytest.approx(0.15)
+    assert decision["r_load"] < 0.15
+    assert decision["fallback_full"] is False
+    assert decision["t_recompute_ms"] == pytest.approx(0.15 * decision["t_prefill_ms"])
+
+
+def test_slow_loading_raises_the_ratio_to_what_loading_hides():
+    # 1000 B/token at 2 MB/s = 0.5 ms/token of loading against 1 ms/token of prefill.
+    decision = LoadingController(profile(disk=2e6), tier="disk").decide(1000)
+    assert decision["r_load"] == pytest.approx(0.5)
+    assert decision["ratio"] == pytest.approx(0.5)
+    assert decision["t_load_ms"] == pytest.approx(500.0)
+    assert decision["t_recompute_ms"] == pytest.approx(decision["t_load_ms"])
+    assert decision["fallback_full"] is False
+    assert decision["tier"] == "disk"
+
+
+def test_loading_slower_than_a_full_prefill_falls_back_to_full():
+    decision = LoadingController(profile(disk=5e5), tier="disk").decide(1000)
+    assert decision["t_load_ms"] > decision["t_prefill_ms"]
+    assert decision["fallback_full"] is True
+    assert decision["ratio"] == 1.0
+
+
+def test_ratio_is_the_max_of_r_star_and_r_load_over_bandwidths():
+    for bandwidth in (1e5, 1e6, 2e6, 5e6, 1e7, 1e8):
+        d = LoadingController(profile(disk=bandwidth), tier="disk", r_star=0.2).decide(500)
+        if not d["fallback_full"]:
+            assert d["ratio"] == pytest.approx(max(0.2, d["r_load"]))
+
+
+def test_cheapest_tier_is_disk_when_its_loading_hides_behind_recompute():
+    fast_disk = LoadingController(profile(disk=1e8))
+    slow_disk = LoadingController(profile(disk=2e6))
+    assert fast_disk.cheapest_tier(1000) == "disk"
+    assert slow_disk.cheapest_tier(1000) == "ram"
+    assert slow_disk.cheapest_tier(1000, ratio=0.6) == "disk"
+
+
+def test_controller_plans_a_tiered_store_as_disk(tmp_path):
+    assert ctl.store_tier(MemoryStore()) == ("ram", None)
+    disk = DiskStore(tmp_path, 1 << 20)
+    assert ctl.store_tier(disk) == ("disk", tmp_path)
+    assert ctl.store_tier(TieredStore(MemoryStore(), disk)) == ("disk", tmp_path)
+
+
+@pytest.fixture
+def engine(tokenizer):
+    return BlendEngine(tiny_model("llama"), tokenizer, BlendConfig(ratio="auto"), MemoryStore())
+
+
+def test_auto_ratio_uses_the_controller_and_records_its_decision(engine):
+    engine.controller = LoadingController(profile(disk=2e6), tier="disk")
+    engine.precompute(CHUNKS)
+    result = engine.generate(QUESTION, CHUNKS, max_new_tokens=3)
+    decision = result.stats.extra["controller"]
+    assert decision["ratio"] == pytest.approx(0.5)
+    assert result.stats.ratio == pytest.approx(0.5)
+    explicit = engine.generate(QUESTION, CHUNKS, max_new_tokens=3, ratio=0.3)
+    assert explicit.stats.ratio == pytest.approx(0.3)
+    assert "controller" not in explicit.stats.extra
+
+
+def test_fallback_runs_a_full_prefill(engine):
+    engine.controller = LoadingController(profile(disk=5e5), tier="disk")
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    got = engine.prefill(prompt, mode="blend")
+    assert got.stats.extra["controller"]["fallback_full"] is True
+    assert got.fusion is None  # no fused path was taken
+    want = engine.prefill(prompt, mode="full")
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_profile_is_measured_once_and_cached_per_model_and_device(
+    engine, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(ctl, "profile_path", lambda fp, dev: tmp_path / f"{fp[:16]}-{dev}.json")
+    monkeypatch.setattr(ctl, "measure_disk_bandwidth", lambda path, device: 3e9)
+    engine.store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
+    engine.precompute(CHUNKS[:1])
+    result = engine.generate(QUESTION, CHUNKS[:1], max_new_tokens=2)  # controller made lazily
+    assert isinstance(engine.controller, LoadingController)
+    decision = result.stats.extra["controller"]
+    assert decision["tier"] == "disk" and decision["bandwidth_bytes_per_s"] == 3e9
+    saved = json.loads((tmp_path / f"{engine.fingerprint[:16]}-cpu.json").read_text())
+    assert saved["fingerprint"] == engine.fingerprint and saved["device"] == "cpu"
+    assert saved["bytes_per_token"] == 2 * 3 * 2 * 16 * 4  # layers · kv heads · head_dim · fp32
+    assert saved["prefill_ms_per_token"] > 0 and saved["bandwidth"]["disk"] == 3e9
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("the cached profile should have been used")
+
+    monkeypatch.setattr(ctl, "profile_engine", no_profiling)
+    monkeypatch.setattr(ctl, "measure_disk_bandwidth", no_profiling)
+    again = LoadingController.for_engine(engine)
+    assert again.profile.prefill_ms_per_token == saved["prefill_ms_per_token"]
+
+
+def test_disk_bandwidth_measurement_reads_a_real_file(tmp_path):
+    bandwidth = ctl.measure_disk_bandwidth(tmp_path, "cpu", nbytes=4 << 20)
+    assert bandwidth > 0
+    assert not list(tmp_path.iterdir())  # the probe file is removed
