@@ -18,9 +18,10 @@ class BlendConfig:
         (paper's r, default 0.15); ``"auto"`` lets the loading controller choose it.
     check_layers: layers at which tokens are (re)selected by the selector. Every layer up to and
         including the first check layer runs on all tokens.
-    check_ratios: gradual filtering (paper §4.3): the fraction kept at each check layer, each
-        selecting within the previous selection. ``None`` means ``[ratio]`` at every check layer.
-        The last entry is the ratio used by all later layers.
+    check_scales: gradual filtering (paper §4.3) as multiples of ``ratio``, one per check
+        layer: check layer i keeps ``ratio * check_scales[i]`` of the cached tokens, choosing
+        within the previous selection. ``None`` means 1.0 at every check layer; the rows kept
+        at the last check layer are recomputed on all later layers.
     selector: name of a registered token selector (``kv-deviation``).
     deviation: which cached tensor the deviation is measured on: ``"k"``, ``"v"`` or ``"kv"``.
     precompute_context: what each chunk is prefilled after when its KV is precomputed:
@@ -29,7 +30,7 @@ class BlendConfig:
 
     ratio: float | Literal["auto"] = 0.15
     check_layers: tuple[int, ...] = (1,)
-    check_ratios: tuple[float, ...] | None = None
+    check_scales: tuple[float, ...] | None = None
     selector: str = "kv-deviation"
     deviation: Literal["k", "v", "kv"] = "kv"
     precompute_context: PrecomputeContext = "prefix"
@@ -51,24 +52,17 @@ class BlendConfig:
             raise RagblendError("check_layers must name at least one layer")
         if list(self.check_layers) != sorted(set(self.check_layers)) or self.check_layers[0] < 0:
             raise RagblendError(f"check_layers must be increasing and >= 0, got {self.check_layers}")
-        if self.check_ratios is not None:
-            if len(self.check_ratios) != len(self.check_layers):
-                raise RagblendError("check_ratios needs one ratio per check layer")
-            if any(not (0.0 <= r <= 1.0) for r in self.check_ratios):
-                raise RagblendError(f"check_ratios must be in [0, 1], got {self.check_ratios}")
+        if self.check_scales is not None:
+            if len(self.check_scales) != len(self.check_layers):
+                raise RagblendError("check_scales needs one multiplier per check layer")
+            if any(s < 1.0 for s in self.check_scales):
+                raise RagblendError(f"check_scales must be >= 1, got {self.check_scales}")
         if self.deviation not in ("k", "v", "kv"):
             raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
         if self.precompute_context not in ("prefix", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 
-    def schedule(self, ratio: float | None = None) -> list[tuple[int, float]]:
-        """(check layer, fraction kept) pairs; ``ratio`` overrides the final fraction."""
-        final = float(self.ratio if ratio is None and self.ratio != "auto" else (ratio or 0.15))
-        if self.check_ratios is None:
-            ratios = [final] * len(self.check_layers)
-        else:
-            ratios = list(self.check_ratios)
-            if ratio is not None:
-                scale = final / ratios[-1] if ratios[-1] > 0 else 1.0
-                ratios = [min(1.0, r * scale) for r in ratios]
-        return list(zip(self.check_layers, ratios))
+    def schedule(self, ratio: float) -> list[tuple[int, float]]:
+        """(check layer, fraction of cached tokens kept) pairs for a final ``ratio``."""
+        scales = self.check_scales or (1.0,) * len(self.check_layers)
+        return [(layer, min(1.0, ratio * s)) for layer, s in zip(self.check_layers, scales)]

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "chunk_tokens": args.chunk_tokens,
         "ratio": config.ratio,
         "check_layers": list(config.check_layers),
-        "check_ratios": list(config.check_ratios) if config.check_ratios else None,
+        "check_scales": list(config.check_scales) if config.check_scales else None,
         "selector": config.selector,
         "deviation": config.deviation,
         "precompute_context": config.precompute_context,

@@ -40,6 +40,7 @@ class FusionResult:
     selected: torch.Tensor  # rows active on the last layer
     pre_rope_keys: list[torch.Tensor] | None = None  # active rows, when captured
     deviations: dict[int, torch.Tensor] = field(default_factory=dict)
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)  # after each check layer
 
     @property
     def recomputed_fraction(self) -> float:
@@ -98,6 +99,7 @@ def fuse(
     pre_rope: list[torch.Tensor] = []
     rows_per_layer: list[int] = []
     deviations: dict[int, torch.Tensor] = {}
+    selections: dict[int, torch.Tensor] = {}
 
     groups = model.num_heads // model.num_kv_heads
     plans: dict[int | None, RowAttentionPlan] = {}
@@ -127,6 +129,7 @@ def fuse(
         if keep is not None:
             hidden = hidden[:, keep]
             active = active[keep]
+            selections[layer] = active
             plans.clear()
 
     logits = model.logits(hidden[:, -1:])[-1]
@@ -139,6 +142,7 @@ def fuse(
         selected=active,
         pre_rope_keys=pre_rope if capture_pre_rope else None,
         deviations=deviations,
+        selections=selections,
     )
 
 

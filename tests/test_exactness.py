@@ -1,0 +1,119 @@
+"""Ratio 1.0 reproduces HF's full prefill for every family; prefix equals full; reuse is reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from helpers import engine_for, hf_forward, layer_kv
+
+ATOL = 1e-4
+
+# Sliding windows shorter than the prompt exercise the windowed mask (Mistral, Qwen2).
+WINDOWED = {
+    "mistral": {"sliding_window": 24},
+    "qwen2": {
+        "use_sliding_window": True,
+        "sliding_window": 24,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+    },
+}
+
+
+def _model(family, windowed=False):
+    return tiny_model(family, **(WINDOWED.get(family, {}) if windowed else {}))
+
+
+@pytest.fixture(params=[(f, False) for f in FAMILIES] + [(f, True) for f in WINDOWED],
+                ids=lambda p: p[0] + ("-window" if p[1] else ""))
+def family_engine(request, tokenizer):
+    family, windowed = request.param
+    model = _model(family, windowed)
+    engine = engine_for(model, tokenizer, ratio=1.0)
+    engine.precompute(CHUNKS)
+    return engine
+
+
+def test_blend_at_ratio_one_matches_hf_full_prefill_logits_and_every_layer_kv(family_engine):
+    engine = family_engine
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    ref = hf_forward(engine.model, prompt.ids)
+    out = engine.prefill(prompt, "blend")
+    assert out.stats.chunk_hits == len(CHUNKS)
+    assert out.stats.recomputed_fraction == 1.0
+    torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=ATOL, rtol=0)
+    for layer in range(engine.layers.num_layers):
+        k, v = layer_kv(out.cache, layer)
+        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
+        torch.testing.assert_close(k, k_ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=ATOL, rtol=0)
+
+
+def test_full_mode_is_hf_prefill_and_prefix_mode_equals_it(family_engine):
+    engine = family_engine
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    ref = hf_forward(engine.model, prompt.ids)
+    for mode in ("full", "prefix"):
+        out = engine.prefill(prompt, mode)
+        torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=ATOL, rtol=0)
+        for layer in range(engine.layers.num_layers):
+            k, v = layer_kv(out.cache, layer)
+            k_ref, v_ref = layer_kv(ref.past_key_values, layer)
+            torch.testing.assert_close(k, k_ref, atol=ATOL, rtol=0)
+            torch.testing.assert_close(v, v_ref, atol=ATOL, rtol=0)
+
+
+def test_greedy_generation_after_ratio_one_blend_equals_hf_generate(family_engine):
+    engine = family_engine
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    result = engine.generate(QUESTION, CHUNKS, mode="blend", max_new_tokens=12)
+    with torch.inference_mode():
+        ref = engine.model.generate(
+            torch.tensor([prompt.ids]), max_new_tokens=12, do_sample=False,
+            eos_token_id=list(engine.eos_ids), pad_token_id=0,
+        )
+    ref_ids = [t for t in ref[0, len(prompt.ids):].tolist() if t not in engine.eos_ids]
+    assert result.token_ids == ref_ids[: len(result.token_ids)]
+    assert len(result.token_ids) == len(ref_ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reuse_equals_stored_chunk_caches_with_only_positions_changed(family, tokenizer):
+    engine = engine_for(_model(family), tokenizer)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    out = engine.prefill(prompt, "reuse")
+    lay = engine.layers
+    context = engine._context_ids(prompt.head)
+    start = len(prompt.head)
+    for i, chunk in enumerate(prompt.chunks):
+        if i:
+            start += len(prompt.separator)
+        stored = engine.store.get(engine.chunk_key(chunk, context))
+        positions = torch.arange(start, start + len(chunk))
+        for layer in range(lay.num_layers):
+            k_pre, v = stored.layer(layer)
+            cos, sin = lay.rope(positions, k_pre.unsqueeze(0))
+            k_expected = lay.rotate(k_pre.unsqueeze(0), cos, sin)
+            k, v_out = layer_kv(out.cache, layer)
+            torch.testing.assert_close(k[:, :, start : start + len(chunk)], k_expected,
+                                       atol=1e-6, rtol=0)
+            assert torch.equal(v_out[0, :, start : start + len(chunk)], v)
+        start += len(chunk)
+
+
+def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine):
+    engine = embedded_engine.with_config(ratio=1.0)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    ref = hf_forward(engine.model, prompt.ids)
+    out = engine.prefill(prompt, "blend")
+    torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=2e-4, rtol=0)
+    for layer in (0, 14, engine.layers.num_layers - 1):
+        k, v = layer_kv(out.cache, layer)
+        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
+        torch.testing.assert_close(k, k_ref, atol=2e-4, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=2e-4, rtol=0)
+    assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
+        QUESTION, CHUNKS, mode="full", max_new_tokens=8
+    ).text

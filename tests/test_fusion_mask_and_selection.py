@@ -1,0 +1,148 @@
+"""The exact causal mask by original position, gradual filtering and forced tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from conftest import CHUNKS, QUESTION, tiny_model
+from helpers import engine_for
+
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
+from ragblend.fusion.fusor import Segment, fuse
+from ragblend.store.base import ChunkKV
+
+
+def _reference_rows(q, k, v, positions, scaling, window=None):
+    """Per-row attention over keys 0..p (and > p - window), the slow obvious way."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    rows = []
+    for i, p in enumerate(positions.tolist()):
+        lo = 0 if window is None else max(0, p - window + 1)
+        scores = (q[0, :, i : i + 1] @ k[0, :, lo : p + 1].transpose(-1, -2)) * scaling
+        rows.append(F.softmax(scores, dim=-1) @ v[0, :, lo : p + 1])
+    out = torch.cat(rows, dim=1)  # [H, m, d]
+    return out.transpose(0, 1).reshape(1, len(positions), -1)
+
+
+def test_position_mask_uses_original_positions_not_bottom_right_alignment():
+    positions = torch.tensor([2, 5, 9])
+    mask = position_mask(positions, 12)
+    assert mask[0].tolist() == [True] * 3 + [False] * 9
+    assert mask[1].sum() == 6 and mask[2].sum() == 10
+    bottom_right = torch.ones(3, 12).tril(diagonal=12 - 3).bool()
+    assert not torch.equal(mask, bottom_right)
+
+
+def test_blocked_gqa_attention_matches_per_row_reference_with_and_without_window():
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim = 700, 4, 2, 8
+    positions = torch.tensor(sorted(torch.randperm(n)[:300].tolist()))
+    q = torch.randn(1, heads, positions.numel(), dim)
+    k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    for window in (None, 50):
+        plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, window)
+        assert len(plan.blocks) > 1
+        got = attend_rows(q, k, v, plan, 0.3)
+        torch.testing.assert_close(got, _reference_rows(q, k, v, positions, 0.3, window),
+                                   atol=1e-5, rtol=1e-5)
+
+
+class EarlyFirstSelector:
+    """Deterministic scores favouring early positions: the selection ignores later rows."""
+
+    name = "early-first"
+
+    def scores(self, layer, fresh_k, fresh_v, cached_k, cached_v):
+        return -torch.arange(fresh_k.shape[2], dtype=torch.float32)
+
+
+def test_selected_token_never_attends_to_a_later_key(tokenizer):
+    """Perturbing the cached KV of the last chunk leaves earlier selected rows untouched.
+
+    A bottom-right aligned mask lets early selected rows see later keys, so this fails there.
+    """
+    model = tiny_model("llama")
+    engine = engine_for(model, tokenizer)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    context = engine._context_ids(prompt.head)
+
+    def segments(noise: float):
+        segs = [Segment("prefix", prompt.head, engine.prefix_kv(prompt.head), exact=True)]
+        for i, chunk in enumerate(prompt.chunks):
+            if i:
+                segs.append(Segment("separator", prompt.separator))
+            kv = engine.store.get(engine.chunk_key(chunk, context))
+            if i == len(prompt.chunks) - 1 and noise:
+                g = torch.Generator().manual_seed(1)
+                kv = ChunkKV(kv.k + noise * torch.randn(kv.k.shape, generator=g),
+                             kv.v + noise * torch.randn(kv.v.shape, generator=g))
+            segs.append(Segment("chunk", chunk, kv))
+        segs.append(Segment("tail", prompt.tail))
+        return segs
+
+    results = []
+    for noise in (0.0, 5.0):
+        segs = segments(noise)
+        results.append(fuse(engine.layers, segs, engine._loader(segs), [(0, 0.3)],
+                            EarlyFirstSelector()))
+    clean, noisy = results
+    assert torch.equal(clean.selected, noisy.selected)
+    last_chunk_start = len(prompt.ids) - len(prompt.tail) - len(prompt.chunks[-1])
+    early = clean.selected[clean.selected < last_chunk_start]
+    assert early.numel() > 10
+    for layer in range(1, engine.layers.num_layers):
+        torch.testing.assert_close(clean.keys[layer][:, :, early], noisy.keys[layer][:, :, early],
+                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(clean.values[layer][:, :, early],
+                                   noisy.values[layer][:, :, early], atol=1e-6, rtol=0)
+    assert not torch.allclose(clean.logits, noisy.logits)
+
+
+def test_gradual_filtering_selects_within_the_previous_selection(tokenizer):
+    model = tiny_model("llama", num_hidden_layers=4)
+    engine = engine_for(model, tokenizer, ratio=0.2, check_layers=(0, 1, 2),
+                        check_scales=(3.0, 2.0, 1.0))
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    out = engine.prefill(prompt, "blend").fusion
+    chunk_tokens = sum(len(c) for c in prompt.chunks)
+    forced = len(prompt.ids) - len(prompt.head) - chunk_tokens
+    sel = [set(out.selections[layer].tolist()) for layer in (0, 1, 2)]
+    assert sel[2] <= sel[1] <= sel[0]
+    for s, r in zip(sel, (0.6, 0.4, 0.2)):
+        assert len(s) == forced + round(r * chunk_tokens)
+    assert out.rows_per_layer[0] == len(prompt.ids) - len(prompt.head)
+    assert out.rows_per_layer[1:] == [len(s) for s in sel]
+
+
+def test_tokens_without_cache_are_always_recomputed_and_last_token_is_last(tokenizer):
+    engine = engine_for(tiny_model("qwen2"), tokenizer, ratio=0.05)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    for mode in ("blend", "reuse"):
+        out = engine.prefill(prompt, mode).fusion
+        selected = set(out.selected.tolist())
+        n = len(prompt.ids)
+        assert set(range(n - len(prompt.tail), n)) <= selected
+        assert int(out.selected[-1]) == n - 1
+        start = len(prompt.head)
+        for chunk in prompt.chunks[:-1]:
+            start += len(chunk)
+            assert set(range(start, start + len(prompt.separator))) <= selected
+            start += len(prompt.separator)
+
+
+def test_a_missing_chunk_is_recomputed_in_place_and_counted(tokenizer):
+    engine = engine_for(tiny_model("llama"), tokenizer, ratio=1.0)
+    engine.precompute(CHUNKS[:2])
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    missed = []
+    engine.on_miss = missed.extend
+    out = engine.prefill(prompt, "blend")
+    assert (out.stats.chunk_hits, out.stats.chunk_misses) == (2, 1)
+    assert missed == [CHUNKS[2]]
+    full = engine.prefill(prompt, "full")
+    torch.testing.assert_close(out.logits, full.logits, atol=1e-4, rtol=0)
