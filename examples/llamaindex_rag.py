@@ -143,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                 text = node.node.get_content().replace("\n", " ")
                 print(f"    {rank}. score {node.score:.3f}  {text[:90]}…")
 
-        med = {k: statistics.median(v) for k, v in ttft.items()}
-        pairs = zip(ttft["full"], ttft["blend"], strict=True)
-        speedup = statistics.median(f / b for f, b in pairs if b > 0)
-        print(f"\nmedian TTFT over {len(ttft['full'])} questions: full {med['full']:.0f} ms, "
-              f"blend {med['blend']:.0f} ms (median speedup {speedup:.2f}x)")
+        if ttft["full"]:
+            med = {k: statistics.median(v) for k, v in ttft.items()}
+            pairs = zip(ttft["full"], ttft["blend"], strict=True)
+            speedup = statistics.median(f / b for f, b in pairs if b > 0)
+            print(f"\nmedian TTFT over {len(ttft['full'])} questions: full {med['full']:.0f} ms, "
+                  f"blend {med['blend']:.0f} ms (median speedup {speedup:.2f}x)")
         llm.close()
         full_llm.close()
     finally:

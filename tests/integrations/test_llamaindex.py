@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -254,6 +255,31 @@ def test_retrieval_hook_enqueues_retrieved_nodes_missing_from_store(
         llm.close()
     retriever.retrieve("Which lake is in Siberia?")  # detached: the hook sees nothing
     assert hook.enqueued == 2
+
+
+def test_warmup_transform_returns_nodes_without_waiting_for_precompute(
+    embedded_engine, monkeypatch
+):
+    release = threading.Event()
+    original = embedded_engine.precompute_ids
+
+    def gated(ids, head):
+        release.wait(timeout=60)
+        return original(ids, head)
+
+    monkeypatch.setattr(embedded_engine, "precompute_ids", gated)
+    llm = BlendLLM(engine=embedded_engine, max_new_tokens=MAX_NEW)
+    nodes = [TextNode(text=f"Gated warmup node number {i}.") for i in range(3)]
+    try:
+        out = BlendWarmup(llm)(nodes)
+        assert out is nodes
+        assert llm.warmup_queue.pending() == 3  # queued, not computed: ingestion went on
+        assert not llm.wait_for_warmup(timeout=0.05)
+    finally:
+        release.set()
+        assert llm.wait_for_warmup(timeout=300)
+        llm.close()
+    assert all(llm.is_cached(n.get_content(metadata_mode=MetadataMode.LLM)) for n in nodes)
 
 
 def test_chunks_longer_than_context_window_raise_clear_error(llm):

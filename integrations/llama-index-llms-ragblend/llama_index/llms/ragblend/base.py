@@ -264,7 +264,7 @@ class BlendLLM(CustomLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         """Like :meth:`complete`, run in a worker thread so the event loop stays free."""
-        stream = self._open_completion(prompt, formatted, kwargs)
+        stream = await asyncio.to_thread(self._open_completion, prompt, formatted, kwargs)
         return self._completion(await asyncio.to_thread(self._drain, stream))
 
     @llm_completion_callback()
@@ -272,18 +272,20 @@ class BlendLLM(CustomLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         """Async stream; prefill and decode run in a thread feeding an asyncio queue."""
-        return _athread(self._completion_gen(self._open_completion(prompt, formatted, kwargs)))
+        stream = await asyncio.to_thread(self._open_completion, prompt, formatted, kwargs)
+        return _athread(self._completion_gen(stream))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = self._open_chat(messages, kwargs)
+        stream = await asyncio.to_thread(self._open_chat, messages, kwargs)
         return self._chat_response(await asyncio.to_thread(self._drain, stream))
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        return _athread(self._chat_gen(self._open_chat(messages, kwargs)))
+        stream = await asyncio.to_thread(self._open_chat, messages, kwargs)
+        return _athread(self._chat_gen(stream))
 
     # ------------------------------------------------------------------ RAG helpers
     def synthesizer(
