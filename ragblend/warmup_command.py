@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         queue.close()
     except KeyboardInterrupt:
         interrupted = True
-        bar.write("interrupted: finishing the chunk in progress (rerun to resume)", file=sys.stderr)
+        bar.write("interrupted: finishing the chunk in progress (rerun to resume)",
+                  file=sys.stderr)
         queue.close(wait=False)
     finally:
         bar.close()

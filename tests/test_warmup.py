@@ -238,7 +238,10 @@ def test_kills_at_any_point_leave_only_complete_entries_and_warmup_resumes(
     check_store(store_path)
 
     rng = random.Random(7)
-    for point in ("mid-write", "before-rename", "after-rename", "mid-index", "random"):
+    # A kill before the rename leaves the same debris as mid-write (a temp file), so the
+    # points cover: temp file half written, data file renamed but not indexed, index
+    # transaction open, and wherever a random kill lands.
+    for point in ("mid-write", "after-rename", "mid-index", "random"):
         before = count_entries(store_path)
         proc = spawn(point, rng.randint(1, 3), args)
         if point == "random":
@@ -252,13 +255,11 @@ def test_kills_at_any_point_leave_only_complete_entries_and_warmup_resumes(
     store = DiskStore(store_path)
     debris = store.disk_usage()["tmp"]
     assert debris > 0  # the killed writers left temp files behind, never indexed
-    proc = spawn("none", 0, args)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert main(args) == 0  # resume to completion
     store = check_store(store_path)
     assert len(store) == n_chunks + 1
     cleaned = store.gc(grace_s=0)
-    assert cleaned["stale_tmp"] >= 2 and cleaned["orphans"] >= 2  # mid-write/rename, index
+    assert cleaned["stale_tmp"] >= 1 and cleaned["orphans"] >= 2  # mid-write; rename, index
     assert len(list(store.data_dir.glob("*/*.safetensors"))) == len(store)
     check_store(store_path)
 
