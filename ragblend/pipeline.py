@@ -147,7 +147,8 @@ class _CudaStager:
 
     def __init__(self, loader: LayerLoader) -> None:
         self.loader = loader
-        self.device = loader.device
+        index = loader.device.index
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.consumer_stream = torch.cuda.current_stream(self.device)
         self.side = torch.cuda.Stream(device=self.device)
         # Cached segments produced on the consumer's stream must be complete before we read them.
