@@ -106,7 +106,7 @@ def test_blend_llm_reports_metadata_of_the_engine(llm, embedded_engine):
     assert meta.model_name == embedded_engine.name
 
 
-def test_plain_complete_and_chat_run_full_prefill_with_usage(llm):
+def test_plain_complete_and_chat_sync_and_async_run_full_prefill_with_usage(llm):
     completion = llm.complete("Name a colour.")
     assert completion.text
     usage = completion.raw["usage"]
@@ -118,6 +118,13 @@ def test_plain_complete_and_chat_run_full_prefill_with_usage(llm):
     assert chat.message.content == completion.text  # same chat-templated prompt, greedy
     streamed = "".join(r.delta or "" for r in llm.stream_chat(messages))
     assert streamed == chat.message.content
+
+    async def run_async() -> tuple[str, str]:
+        reply = await llm.achat(messages)
+        deltas = [r.delta or "" async for r in await llm.astream_chat(messages)]
+        return reply.message.content, "".join(deltas)
+
+    assert asyncio.run(run_async()) == (chat.message.content, chat.message.content)
 
 
 def test_synthesizer_hands_engine_retrieved_texts_as_separate_chunks_in_order(
