@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         ChatRagBlend,
         KVWarmupCallbackHandler,
         add_documents,
-        create_blend_stuff_chain,
+        create_blend_retrieval_chain,
         offline_chroma,
     )
 
@@ -93,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         store = offline_chroma(persist_dir, collection_name=COLLECTION)
         store.reset_collection()  # rebuild: the same passages would otherwise be added twice
         retriever = store.as_retriever(search_kwargs={"k": args.top_k})
-        blend_chain = create_blend_stuff_chain(llm)
-        full_chain = create_blend_stuff_chain(llm.bind(mode="full"))
+        # retriever | blend stuff chain -> {"input", "context", "answer"}; full = same, mode="full"
+        chains = {
+            "full": create_blend_retrieval_chain(retriever, llm.bind(mode="full")),
+            "blend": create_blend_retrieval_chain(retriever, llm),
+        }
         print(f"model {llm.model_name} + all-MiniLM-L6-v2 loaded in "
               f"{time.perf_counter() - t0:.1f} s")
 
@@ -109,16 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         warm = KVWarmupCallbackHandler(llm)
         stats = BlendStatsCallbackHandler()
         config = {"callbacks": [warm, stats]}
-        chains = {
-            "full": {"context": retriever, "input": lambda q: q} | full_chain,
-            "blend": {"context": retriever, "input": lambda q: q} | blend_chain,
-        }
         ttft: dict[str, list[float]] = {"blend": [], "full": []}
         for i, case in enumerate(data[: args.questions]):
             question = case["question"]
             print(f"\n[{i + 1}] {question}   (gold: {' | '.join(case['answers'])})")
             for name, chain in chains.items():
-                answer = chain.invoke(question, config=config)
+                out = chain.invoke({"input": question}, config=config)
                 rec = stats.last
                 ttft[name].append(rec["ttft_ms"])
                 extra = ""
@@ -128,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"recomputed {rec['recomputed_fraction']:.0%}")
                 print(f"  {name:5s} TTFT {rec['ttft_ms']:7.0f} ms "
                       f"({rec['usage']['input_tokens']} prompt tokens{extra}): "
-                      f"{answer.strip()!r}")
+                      f"{out['answer'].strip()!r}")
             print("  sources:")
-            for rank, doc in enumerate(retriever.invoke(question), 1):
+            for rank, doc in enumerate(out["context"], 1):
                 text = doc.page_content.replace("\n", " ")
                 print(f"    {rank}. case {doc.metadata['case']} ctx {doc.metadata['ctx']}  "
                       f"{text[:80]}…")
