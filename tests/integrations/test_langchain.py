@@ -136,6 +136,14 @@ def test_stuff_chain_layout_equals_prompt_format_from_template():
     assert blend_prompt_format(prompt) == expected
 
 
+def test_default_prompt_reproduces_the_model_prompt_format(engine):
+    braces = PromptFormat(system="Cite {sources}.", prefix="Docs:\n", suffix="\nQ: {question} }}")
+    assert blend_prompt_format(default_blend_prompt(braces)) == braces
+    llm = ChatRagBlend(engine=engine, prompt_format=braces)
+    create_blend_stuff_chain(llm)
+    assert [layout.prompt_format for layout in llm.layouts] == [braces]
+
+
 def test_custom_prompt_chain_sends_the_classic_text_with_chunk_boundaries(
     monkeypatch, engine, llm, documents
 ):

@@ -9,6 +9,7 @@ message carries each document as a tagged chunk block instead of one joined stri
 from __future__ import annotations
 
 import logging
+import string
 from typing import Any
 
 from langchain_core.documents import Document
@@ -41,11 +42,14 @@ def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
-def default_blend_prompt() -> ChatPromptTemplate:
-    """ragblend's default layout as a chat prompt: its system prompt, then ``{context}`` and
-    the answer instruction with ``{input}`` in the human message."""
-    fmt = PromptFormat()
-    suffix = _escape(fmt.suffix).replace("{{question}}", "{input}")
+def default_blend_prompt(prompt_format: PromptFormat | None = None) -> ChatPromptTemplate:
+    """A ragblend layout (default: ragblend's own) as a chat prompt: the system prompt, then
+    the prefix, ``{context}`` and the suffix with ``{input}`` as the human message."""
+    fmt = prompt_format or PromptFormat()
+    suffix = "".join(  # fmt.suffix is a str.format template: its {question} becomes {input}
+        _escape(literal) + ("{input}" if name == "question" else "")
+        for literal, name, _, _ in string.Formatter().parse(fmt.suffix)
+    )
     human = _escape(fmt.prefix) + "{context}" + suffix
     messages: list[tuple[str, str]] = []
     if fmt.system is not None:
@@ -128,18 +132,20 @@ def create_blend_stuff_chain(
     """Like classic ``create_stuff_documents_chain``, with each document as its own chunk.
 
     Input: ``{"input" or "question": str, "context": list[Document], ...}``; output: the
-    parsed answer (a string by default). ``prompt`` defaults to
-    :func:`default_blend_prompt`. The chain registers its layout with the :class:`ChatRagBlend`
-    under ``llm`` (also through ``.bind(...)``) so warmup precomputes chunks for this prompt.
+    parsed answer (a string by default). ``prompt`` defaults to :func:`default_blend_prompt`
+    of the model's ``prompt_format``. The chain registers its layout with the
+    :class:`ChatRagBlend` under ``llm`` (also through ``.bind(...)``) so warmup precomputes
+    chunks for this prompt.
     """
-    prompt = prompt or default_blend_prompt()
+    model = _find_blend_model(llm)
+    if prompt is None:
+        prompt = default_blend_prompt(model.prompt_format if model is not None else None)
     if document_variable_name not in prompt.input_variables:
         raise RagblendError(
             f"the prompt must have the input variable {document_variable_name!r}; "
             f"it has {prompt.input_variables}"
         )
     fmt = blend_prompt_format(prompt, document_variable_name, document_separator)
-    model = _find_blend_model(llm)
     if model is not None and fmt is not None:
         model.register_layout(fmt, document_prompt)
     elif model is not None:
