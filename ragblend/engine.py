@@ -221,7 +221,10 @@ class BlendEngine:
         key = self.chunk_key(chunk_ids, context_ids)
         if key in self.store:
             return False
-        kv = self._compute_kv(list(chunk_ids), context_ids)
+        try:
+            kv = self._compute_kv(list(chunk_ids), context_ids)
+        except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
+            kv = self._compute_kv(list(chunk_ids), context_ids)
         self.store.put(key, kv)
         return True
 

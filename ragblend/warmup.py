@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from ragblend.engine import BlendEngine
-from ragblend.errors import CorruptEntryError
 from ragblend.prompt import PromptFormat, encode, tokenize_prompt
 
 log = logging.getLogger(__name__)
@@ -120,10 +119,7 @@ class WarmupQueue:
                 if item is _STOP:
                     return
                 ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
-                try:
-                    stored = self.engine.precompute_ids(ids, self._head)
-                except CorruptEntryError:  # a damaged stored prefix: it was dropped, so retry
-                    stored = self.engine.precompute_ids(ids, self._head)
+                stored = self.engine.precompute_ids(ids, self._head)
                 if stored:
                     self.stored += 1
                 else:

@@ -253,6 +253,23 @@ def test_damaged_entry_is_a_miss_and_the_answer_equals_a_run_without_it(
     assert greedy(engine, damaged, 6) == greedy(engine, clean, 6)
 
 
+def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(
+    tokenizer, tmp_path
+):
+    store = DiskStore(tmp_path, 1 << 30, fsync=False)
+    engine = make_engine("llama", tokenizer, store)
+    engine.precompute(CHUNKS[:2])
+    prompt = engine.tokenize(QUESTION, CHUNKS[:2])
+    prefix_key = engine._prefix_key(prompt.head)
+    want = engine.prefill(prompt, mode="blend")
+    _flip_layer_byte(store, prefix_key)
+    got = engine.prefill(prompt, mode="blend")  # the head's cache is recomputed and re-stored
+    assert torch.equal(got.logits, want.logits) and prefix_key in store
+    _flip_layer_byte(store, prefix_key)
+    assert engine.precompute(CHUNKS[2:]) == 1
+    assert store.verify()["corrupt"] == 0
+
+
 def test_checksum_mismatch_raises_corrupt_entry_error_and_drops_the_entry(tmp_path):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     store.put("k", random_kv())

@@ -405,6 +405,9 @@ class DiskStore:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
+                if self._entry(key) != entry:  # evicted or rewritten meanwhile: a plain miss
+                    self._count("misses")
+                    return None
                 raise EntryInvalid("data file is missing") from None
             try:
                 header = _read_header(fd, key)
@@ -593,6 +596,8 @@ class DiskStore:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
+            if self._entry(key) != entry:
+                return "gone", ""  # evicted or rewritten by another process meanwhile
             return "corrupt", f"data file unreadable ({exc.strerror})"
         try:
             header = _read_header(fd, key)
@@ -633,9 +638,8 @@ class DiskStore:
             if now - _mtime(path) > grace_s:
                 _unlink(path)
                 stale += 1
-        # The recorded byte count follows the surviving entries exactly.
-        total = sum(int((self._entry(k) or {}).get("bytes", 0)) for k in self.keys())
-        with self.index.transact(retry=True):
+        with self.index.transact(retry=True):  # recount the surviving entries' bytes exactly
+            total = sum(int((self._entry(k) or {}).get("bytes", 0)) for k in self.keys())
             self.index.set(_BYTES, total, retry=True)
         evicted = self._evict()
         return {**report, "orphans": orphans, "stale_tmp": stale, "evicted": evicted}
