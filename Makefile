@@ -25,8 +25,11 @@ $(STAMP): $(BIN)/python pyproject.toml $(wildcard integrations/*/pyproject.toml)
 
 install: $(STAMP)
 
+# The main job: the core engine on dev questions (full vs blend), then the LlamaIndex RAG
+# pipeline (Chroma index with KV warmup at ingestion, query engine with BlendLLM).
 demo: install
 	$(BIN)/ragblend demo --dataset $(DATASET)
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/llamaindex_rag.py --dataset $(DATASET) --questions 2
 
 test: install
 	$(BIN)/python -m pytest -q tests

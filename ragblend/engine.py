@@ -278,12 +278,6 @@ class BlendEngine:
         if mode == "full":
             out = self._forward(ids, None)
             logits, cache, fusion = out.logits[0, -1].float(), out.past_key_values, None
-        elif mode == "prefix":
-            head_kv = self.prefix_kv(prompt.head)
-            cache = self._cache_from(head_kv, len(prompt.head))
-            out = self._forward(ids[len(prompt.head) :], cache)
-            logits, fusion = out.logits[0, -1].float(), None
-            stats.recomputed_fraction = 1.0
         else:
             fusion, cache = self._fused_prefill(prompt, mode, ratio, stats)
             logits = fusion.logits
@@ -332,6 +326,10 @@ class BlendEngine:
         t_load = time.perf_counter()
         context_ids = self._context_ids(prompt.head)
         segments = [Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True)]
+        if mode == "prefix":  # exact prefix cache; everything after it is prefilled
+            segments.append(Segment("rest", prompt.ids[len(prompt.head) :]))
+            stats.load_ms = (time.perf_counter() - t_load) * 1000
+            return self._run_fusion(segments, None, stats)
         missing = []
         for i, chunk in enumerate(prompt.chunks):
             if i and prompt.separator:
@@ -352,11 +350,15 @@ class BlendEngine:
             stats.ratio = r
             schedule = None if r >= 1.0 else self.config.schedule(r)
         stats.load_ms = (time.perf_counter() - t_load) * 1000
+        return self._run_fusion(segments, schedule, stats)
+
+    def _run_fusion(self, segments: list[Segment], schedule, stats: BlendStats):
         fusion = fuse(self.layers, segments, self._loader(segments), schedule, self.selector)
         stats.recomputed_fraction = fusion.recomputed_fraction
         cache = self._new_cache()
         for layer, (k, v) in enumerate(zip(fusion.keys, fusion.values)):
             cache.update(k, v, layer)
+        fusion.keys, fusion.values = [], []  # now owned by the cache; do not keep two copies
         return fusion, cache
 
     def _choose_ratio(self, ratio, prompt: TokenizedPrompt, stats: BlendStats) -> float:

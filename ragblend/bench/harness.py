@@ -73,10 +73,12 @@ def run_benchmark(
             if v.mode in ("reuse", "blend"):
                 views[v.name].precompute(case.chunks)
         warmup_s += time.perf_counter() - t0
-        prefills = {}
         recs = {v.name: Record() for v in variants}
-        for _ in range(repeats):
-            for v in variants:
+        ref_name = next(v.name for v in variants if v.mode == "full")
+        ordered = sorted(variants, key=lambda v: v.name != ref_name)  # reference first
+        reference = None
+        for repeat in range(repeats):
+            for v in ordered:
                 if before_measure is not None:
                     before_measure(v)
                 view = views[v.name]
@@ -84,26 +86,30 @@ def run_benchmark(
                 prompt = view.tokenize(case.question, case.chunks)
                 pre = view.prefill(prompt, v.mode)
                 recs[v.name].ttft_ms.append((time.perf_counter() - start) * 1000)
-                prefills[v.name] = pre
-        ref_name = next(v.name for v in variants if v.mode == "full")
-        ref = prefills[ref_name]
-        ref_ids = engine.greedy_answer(ref, max_new_tokens)
-        ref_text = engine.tokenizer.decode(ref_ids, skip_special_tokens=True)
-        ref_tf = engine.teacher_forced_logits(ref, ref_ids)
+                if repeat == repeats - 1:  # score the last measurement, then free it
+                    reference = _score(engine, view, v, pre, case, recs[v.name], reference,
+                                       max_new_tokens)
+                del pre
         for v in variants:
-            pre, rec = prefills[v.name], recs[v.name]
-            ids = ref_ids if v.name == ref_name else views[v.name].greedy_answer(pre, max_new_tokens)
-            rec.answer = engine.tokenizer.decode(ids, skip_special_tokens=True)
-            rec.f1 = best_f1(rec.answer, case.answers)
-            rec.agrees = normalize_answer(rec.answer) == normalize_answer(ref_text)
-            rec.first_token_kl = float(kl_divergence(ref.logits, pre.logits))
-            tf = ref_tf if v.name == ref_name else engine.teacher_forced_logits(pre, ref_ids)
-            rec.answer_kl = float(kl_divergence(ref_tf, tf).mean())
-            rec.recomputed_fraction = pre.stats.recomputed_fraction
-            records[v.name].append(rec)
-            del pre
-        prefills.clear()
+            records[v.name].append(recs[v.name])
     return summarize(records, ref_name, warmup_s, len(cases))
+
+
+def _score(engine, view, variant, pre, case, rec: Record, reference, max_new_tokens: int):
+    """Fill ``rec``'s quality fields; returns the reference (set when ``variant`` is full)."""
+    if reference is None:  # this is the full-prefill reference
+        ids = engine.greedy_answer(pre, max_new_tokens)
+        reference = (pre.logits, ids, engine.tokenizer.decode(ids, skip_special_tokens=True),
+                     engine.teacher_forced_logits(pre, ids))
+    ref_logits, ref_ids, ref_text, ref_tf = reference
+    ids = view.greedy_answer(pre, max_new_tokens)
+    rec.answer = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    rec.f1 = best_f1(rec.answer, case.answers)
+    rec.agrees = normalize_answer(rec.answer) == normalize_answer(ref_text)
+    rec.first_token_kl = float(kl_divergence(ref_logits, pre.logits))
+    rec.answer_kl = float(kl_divergence(ref_tf, engine.teacher_forced_logits(pre, ref_ids)).mean())
+    rec.recomputed_fraction = pre.stats.recomputed_fraction
+    return reference
 
 
 def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, n: int) -> dict:
