@@ -51,7 +51,9 @@ class BlendConfig:
         if not self.check_layers:
             raise RagblendError("check_layers must name at least one layer")
         if list(self.check_layers) != sorted(set(self.check_layers)) or self.check_layers[0] < 0:
-            raise RagblendError(f"check_layers must be increasing and >= 0, got {self.check_layers}")
+            raise RagblendError(
+                f"check_layers must be increasing and >= 0, got {self.check_layers}"
+            )
         if self.check_scales is not None:
             if len(self.check_scales) != len(self.check_layers):
                 raise RagblendError("check_scales needs one multiplier per check layer")

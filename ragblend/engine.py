@@ -59,9 +59,8 @@ class Prefill:
 
     def copy(self) -> Prefill:
         """An independent copy (decoding mutates the cache)."""
-        return Prefill(
-            self.logits, copy.deepcopy(self.cache), self.prompt_ids, copy.copy(self.stats), self.fusion
-        )
+        cache = copy.deepcopy(self.cache)
+        return Prefill(self.logits, cache, self.prompt_ids, copy.copy(self.stats), self.fusion)
 
 
 @dataclass
@@ -200,7 +199,11 @@ class BlendEngine:
         out = fuse(self.layers, segments, self._loader(segments), None, capture_pre_rope=True)
         k = torch.stack([k[0] for k in out.pre_rope_keys]).contiguous()
         v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
-        meta = {"fingerprint": self.fingerprint, "dtype": str(self.layers.dtype), "tokens": len(ids)}
+        meta = {
+            "fingerprint": self.fingerprint,
+            "dtype": str(self.layers.dtype),
+            "tokens": len(ids),
+        }
         meta["context"] = self.chunk_key([], context_ids)[:16]  # the precompute context's hash
         return ChunkKV(k=k, v=v, meta=meta)
 

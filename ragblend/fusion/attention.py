@@ -58,7 +58,9 @@ class RowAttentionPlan:
             allowed = position_mask(positions[a:b], end - start, sliding_window, key_start=start)
             bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
             bias.masked_fill_(~allowed, float("-inf"))
-            bias = bias.unsqueeze(0).expand(groups, b - a, end - start).reshape(groups * (b - a), -1)
+            bias = (
+                bias.unsqueeze(0).expand(groups, b - a, end - start).reshape(groups * (b - a), -1)
+            )
             self.blocks.append((a, b, start, end, bias))
 
 

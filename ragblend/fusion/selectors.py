@@ -69,4 +69,6 @@ def make_selector(name: str, deviation: str = "kv") -> TokenSelector:
     try:
         return SELECTORS[name](deviation=deviation)
     except KeyError:
-        raise RagblendError(f"unknown selector {name!r}; available: {', '.join(SELECTORS)}") from None
+        raise RagblendError(
+            f"unknown selector {name!r}; available: {', '.join(SELECTORS)}"
+        ) from None

@@ -64,7 +64,9 @@ class LayerwiseModel:
         """[T] token ids → hidden states [1, T, D]."""
         return self.decoder.embed_tokens(ids.view(1, -1))
 
-    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the model's own rotary embedding at ``positions`` ([T] int64)."""
         return self.decoder.rotary_emb(like, positions.view(1, -1))
 

@@ -35,7 +35,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise RagblendError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}") from None
+        raise RagblendError(
+            f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}"
+        ) from None
 
 
 def embedded_gguf_path() -> Path:
@@ -62,7 +64,9 @@ def embedded_model_dir() -> Path:
 
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

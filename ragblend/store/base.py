@@ -51,7 +51,12 @@ class StoreStats:
             setattr(self, name, getattr(self, name) + n)
 
     def as_dict(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "puts": self.puts, "evictions": self.evictions}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "puts": self.puts,
+            "evictions": self.evictions,
+        }
 
 
 @runtime_checkable
