@@ -71,7 +71,11 @@ class BlendResult:
 
 
 class BlendStream:
-    """Iterator over text deltas; ``result`` is set once the stream is exhausted."""
+    """Iterator over text deltas; ``result`` is set once the stream is exhausted or closed.
+
+    ``close()`` stops decoding early (e.g. on a stop sequence); ``result`` then holds what was
+    generated so far, with ``finish_reason == "stop"``.
+    """
 
     def __init__(self, deltas: Iterator[str]) -> None:
         self._deltas = deltas
@@ -79,6 +83,9 @@ class BlendStream:
 
     def __iter__(self) -> Iterator[str]:
         return self._deltas
+
+    def close(self) -> None:
+        self._deltas.close()
 
 
 class BlendEngine:
@@ -496,19 +503,25 @@ class BlendEngine:
             t0 = time.perf_counter()
             tokens: list[int] = []
             text = ""
-            for token in self._decode(pre, max_new, temperature, top_p, top_k, seed):
-                tokens.append(token)
-                new_text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if new_text.endswith("\ufffd"):
-                    continue  # incomplete multi-byte character
-                if len(new_text) > len(text):
-                    yield new_text[len(text) :]
-                    text = new_text
-            final = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if len(final) > len(text):
-                yield final[len(text) :]
-            pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
-            holder.result = BlendResult(text=final, token_ids=tokens, stats=pre.stats)
+            try:
+                for token in self._decode(pre, max_new, temperature, top_p, top_k, seed):
+                    tokens.append(token)
+                    new_text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    if new_text.endswith("\ufffd"):
+                        continue  # incomplete multi-byte character
+                    if len(new_text) > len(text):
+                        yield new_text[len(text) :]
+                        text = new_text
+                final = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if len(final) > len(text):
+                    yield final[len(text) :]
+            except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)
+                pre.stats.finish_reason = "stop"
+                raise
+            finally:
+                pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
+                final = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                holder.result = BlendResult(text=final, token_ids=tokens, stats=pre.stats)
 
         holder._deltas = run()
         return holder

@@ -77,3 +77,13 @@ def test_generation_stops_at_eos(embedded_engine):
         [{"role": "user", "content": "Say hello."}], max_new_tokens=60)
     assert result.stats.finish_reason == "stop"
     assert not set(result.token_ids) & embedded_engine.eos_ids
+
+
+def test_closing_a_stream_early_stops_decoding_and_keeps_the_partial_result(engine):
+    stream = engine.stream(QUESTION, CHUNKS, max_new_tokens=10)
+    first = next(iter(stream))
+    stream.close()
+    assert stream.result is not None
+    assert stream.result.text.startswith(first)
+    assert stream.result.stats.finish_reason == "stop"
+    assert 1 <= stream.result.stats.completion_tokens < 10

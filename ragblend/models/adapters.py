@@ -38,6 +38,7 @@ class LayerwiseModel:
         attn = self.layers[0].self_attn
         modeling = sys.modules[type(attn).__module__]
         self._apply_rotary = modeling.apply_rotary_pos_emb
+        self._rotate_half = getattr(modeling, "rotate_half", None)
         self.num_layers = len(self.layers)
         self.head_dim = attn.head_dim
         self.num_heads = self.config.num_attention_heads
@@ -72,7 +73,10 @@ class LayerwiseModel:
 
     def rotate(self, k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to pre-RoPE keys [1, H, T, d] (returns a new tensor)."""
-        return self._apply_rotary(k_pre, k_pre, cos, sin)[1]
+        if self._rotate_half is None:
+            return self._apply_rotary(k_pre, k_pre, cos, sin)[1]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return torch.addcmul(k_pre * cos, self._rotate_half(k_pre), sin)
 
     def sliding_window(self, layer: int) -> int | None:
         return None
