@@ -40,6 +40,40 @@ def variants(which: str) -> list[Variant]:
             Variant("ctx=none kv@L1", "blend", {"ratio": r, "precompute_context": "none"}),
             Variant("ctx=bos reuse", "reuse", {"precompute_context": "bos"}),
         ]
+    if which in ("query", "all"):
+        for sel in ("kv-deviation", "attention", "kv-attention"):
+            for r in (0.1, 0.15):
+                out.append(Variant(f"{sel} r={r}", "blend", {"ratio": r, "selector": sel}))
+    if which in ("budget", "all"):
+        r = 0.15
+        out += [
+            Variant("kv r=0.15", "blend", {"ratio": r}),
+            Variant("kv-relative r=0.15", "blend", {"ratio": r, "selector": "kv-relative"}),
+            Variant("kv L1,10 (1.5,.7)", "blend",
+                    {"ratio": r, "check_layers": (1, 10), "check_scales": (1.5, 0.7)}),
+            Variant("kv L1,6 (2,.75)", "blend",
+                    {"ratio": r, "check_layers": (1, 6), "check_scales": (2.0, 0.75)}),
+            Variant("kv L1,16 (1.3,.65)", "blend",
+                    {"ratio": r, "check_layers": (1, 16), "check_scales": (1.3, 0.65)}),
+        ]
+    if which in ("context", "all"):
+        for r in (0.1, 0.15):
+            out.append(Variant(f"prefix r={r}", "blend", {"ratio": r}))
+            out.append(Variant(f"filler r={r}", "blend",
+                               {"ratio": r, "precompute_context": "filler"}))
+        out.append(Variant("filler reuse", "reuse", {"precompute_context": "filler"}))
+    if which in ("final", "all"):
+        r = 0.15
+        out += [
+            Variant("kv@L1", "blend", {"ratio": r}),
+            Variant("v@L1", "blend", {"ratio": r, "deviation": "v"}),
+            Variant("kv@L1,10 (1.5,.7)", "blend",
+                    {"ratio": r, "check_layers": (1, 10), "check_scales": (1.5, 0.7)}),
+            Variant("v@L1,10 (1.5,.7)", "blend", {"ratio": r, "deviation": "v",
+                    "check_layers": (1, 10), "check_scales": (1.5, 0.7)}),
+            Variant("kv@L1,6,12 (2,1,.6)", "blend",
+                    {"ratio": r, "check_layers": (1, 6, 12), "check_scales": (2.0, 1.0, 0.6)}),
+        ]
     return out
 
 
@@ -52,7 +86,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--which", choices=("ratio", "selector", "all"), default="all")
+    ap.add_argument("--which", default="all",
+                    choices=("ratio", "selector", "query", "budget", "context", "final", "all"))
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -7,7 +7,7 @@ from typing import Literal
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
-PrecomputeContext = Literal["prefix", "bos", "none"]
+PrecomputeContext = Literal["prefix", "filler", "bos", "none"]
 
 
 @dataclass
@@ -57,11 +57,14 @@ class BlendConfig:
         if self.check_scales is not None:
             if len(self.check_scales) != len(self.check_layers):
                 raise RagblendError("check_scales needs one multiplier per check layer")
-            if any(s < 1.0 for s in self.check_scales):
-                raise RagblendError(f"check_scales must be >= 1, got {self.check_scales}")
+            scales = list(self.check_scales)
+            if any(s <= 0 for s in scales) or scales != sorted(scales, reverse=True):
+                raise RagblendError(
+                    f"check_scales must be positive and non-increasing, got {self.check_scales}"
+                )
         if self.deviation not in ("k", "v", "kv"):
             raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
-        if self.precompute_context not in ("prefix", "bos", "none"):
+        if self.precompute_context not in ("prefix", "filler", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 
     def schedule(self, ratio: float) -> list[tuple[int, float]]:

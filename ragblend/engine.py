@@ -17,7 +17,7 @@ from ragblend.fusion.selectors import make_selector
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.loading import load_model
 from ragblend.pipeline import LayerLoader
-from ragblend.prompt import PromptFormat, TokenizedPrompt, encode, tokenize_prompt
+from ragblend.prompt import FILLER_PASSAGE, PromptFormat, TokenizedPrompt, encode, tokenize_prompt
 from ragblend.store.base import ChunkKV, KVStore
 from ragblend.store.keys import chunk_key, model_fingerprint
 from ragblend.store.memory import MemoryStore
@@ -115,6 +115,7 @@ class BlendEngine:
         self.fingerprint = model_fingerprint(model)
         self.selector = make_selector(self.config.selector, self.config.deviation)
         self.on_miss: Callable[[list[str]], None] | None = None
+        self._filler_ids: list[int] | None = None
         self.controller = None
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -174,6 +175,10 @@ class BlendEngine:
             return list(head)
         if kind == "bos":
             return head[:1]
+        if kind == "filler":
+            if self._filler_ids is None:
+                self._filler_ids = encode(self.tokenizer, FILLER_PASSAGE + "\n\n")
+            return list(head) + self._filler_ids
         return []
 
     def chunk_key(self, chunk_ids: Sequence[int], context_ids: Sequence[int]) -> str:

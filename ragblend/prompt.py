@@ -17,6 +17,25 @@ DEFAULT_SYSTEM = (
 )
 _MARK = "\x00RAGBLEND_USER_CONTENT\x00"
 
+# A neutral, encyclopedic passage placed before each chunk when its KV is precomputed with
+# ``precompute_context="filler"``: the chunk then attends over a passage-like context, as it
+# will in a real prompt, instead of over the system prompt alone.
+FILLER_PASSAGE = (
+    "The river rises in the northern hills and flows south through a broad valley before "
+    "reaching the sea. Settlements along its banks date from the early medieval period, when "
+    "mills and bridges were built at several crossings. The largest town in the valley grew "
+    "around a market established in the twelfth century, and a parish church, a grammar "
+    "school and a town hall were added over the following centuries. In the nineteenth "
+    "century the arrival of the railway brought new industries, including brewing, textile "
+    "manufacture and engineering, and the population more than doubled. Many of the older "
+    "buildings survive and are now protected. The valley is also known for its varied "
+    "wildlife, and parts of it have been designated as nature reserves. Local history "
+    "societies have published several accounts of the area, drawing on parish records, "
+    "maps, newspapers and the recollections of residents. Today the economy depends mainly "
+    "on services, tourism and agriculture, and the town serves as the administrative centre "
+    "for the surrounding district."
+)
+
 
 @dataclass(frozen=True)
 class PromptFormat:

@@ -49,7 +49,8 @@ def test_not_a_model_directory_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("bad", [{"ratio": 1.5}, {"mode": "fast"}, {"check_layers": ()},
                                  {"check_layers": (1, 2), "check_scales": (2.0,)},
-                                 {"selector": "nope"}])
+                                 {"selector": "nope"},
+                                 {"check_layers": (1, 2), "check_scales": (1.0, 2.0)}])
 def test_bad_config_is_a_clear_error(bad, tokenizer):
     with pytest.raises(RagblendError):
         BlendEngine(tiny_model("llama"), tokenizer, BlendConfig(**bad))

@@ -54,8 +54,8 @@ class EarlyFirstSelector:
 
     name = "early-first"
 
-    def scores(self, layer, fresh_k, fresh_v, cached_k, cached_v):
-        return -torch.arange(fresh_k.shape[2], dtype=torch.float32)
+    def scores(self, check):
+        return -check.rows.float()
 
 
 def test_selected_token_never_attends_to_a_later_key(tokenizer):

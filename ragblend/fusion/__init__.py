@@ -2,10 +2,11 @@
 
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import FusionResult, Segment, fuse
-from ragblend.fusion.selectors import SELECTORS, TokenSelector, make_selector
+from ragblend.fusion.selectors import SELECTORS, CheckLayer, TokenSelector, make_selector
 
 __all__ = [
     "SELECTORS",
+    "CheckLayer",
     "FusionResult",
     "RowAttentionPlan",
     "Segment",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.selectors import TokenSelector
+from ragblend.fusion.selectors import CheckLayer, TokenSelector
 from ragblend.models.adapters import LayerwiseModel
 from ragblend.store.base import ChunkKV
 
@@ -79,6 +79,8 @@ def fuse(
     forced = ~cached
     forced[n - 1] = True  # the last prompt token yields the first generated token
     candidates = (~exact).nonzero().squeeze(1)
+    # The question (an uncached last segment) is what selectors may ask about attention.
+    tail_start = n - (len(segments[-1]) if segments[-1].kv is None else 1)
     num_approx = int((cached & ~exact).sum())
 
     if schedule is None:
@@ -107,30 +109,32 @@ def fuse(
         proj = model.project(layer, hidden, cos_all[:, active], sin_all[:, active])
         if capture_pre_rope:
             pre_rope.append(proj.k_pre)
+        k_full = model.rotate(k_cached, cos_all, sin_all)
         keep = None
-        if layer in checks:
-            keep, dev = _select(
-                selector, layer, proj, k_cached, v_cached, active, forced, checks[layer], num_approx
-            )
+        if layer in checks:  # scores compare fresh rows with the still-unmodified cache
+            check = CheckLayer(layer, proj, k_cached, v_cached, k_full, active, tail_start,
+                               model.scaling(layer))
+            keep, dev = _select(selector, check, forced, checks[layer], num_approx)
             if keep_deviations:
                 deviations[layer] = dev
-        k_full = model.rotate(k_cached, cos_all, sin_all)
         k_full[:, :, active] = proj.k
         v_cached[:, :, active] = proj.v
+        rows_per_layer.append(int(active.numel()))
+        q = proj.q
+        if keep is not None:
+            # Every row got fresh K/V on this layer; only the kept rows go on, so the rest of
+            # the layer (attention, o_proj, MLP) runs on them alone.
+            q, hidden, active = q[:, :, keep], hidden[:, keep], active[keep]
+            selections[layer] = active
+            plans.clear()
         window = model.sliding_window(layer)
         plan = plans.get(window)
         if plan is None:
-            plan = plans[window] = RowAttentionPlan(active, groups, proj.q.dtype, window)
-        attn = attend_rows(proj.q, k_full, v_cached, plan, model.scaling(layer))
+            plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window)
+        attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
         hidden = model.finish(layer, hidden, attn)
         keys.append(k_full)
         values.append(v_cached)
-        rows_per_layer.append(int(active.numel()))
-        if keep is not None:
-            hidden = hidden[:, keep]
-            active = active[keep]
-            selections[layer] = active
-            plans.clear()
 
     logits = model.logits(hidden[:, -1:])[-1]
     return FusionResult(
@@ -148,16 +152,13 @@ def fuse(
 
 def _select(
     selector: TokenSelector | None,
-    layer: int,
-    proj,
-    k_cached: torch.Tensor,
-    v_cached: torch.Tensor,
-    active: torch.Tensor,
+    check: CheckLayer,
     forced: torch.Tensor,
     fraction: float,
     num_approx: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local indices (into ``active``, ascending) kept after this check layer, and the scores."""
+    active = check.active
     is_forced = forced[active]
     budget = int(round(fraction * num_approx))
     free = (~is_forced).nonzero().squeeze(1)
@@ -165,14 +166,8 @@ def _select(
     if budget >= free.numel() or selector is None:
         chosen = free if budget >= free.numel() else free[:0]
     else:
-        rows = active[free]
-        s = selector.scores(
-            layer,
-            proj.k_pre[:, :, free],
-            proj.v[:, :, free],
-            k_cached[:, :, rows],
-            v_cached[:, :, rows],
-        )
+        check.candidates = free
+        s = selector.scores(check)
         scores[free] = s.float()
         chosen = free[torch.topk(s, budget).indices] if budget > 0 else free[:0]
     keep = torch.cat([is_forced.nonzero().squeeze(1), chosen]).sort().values

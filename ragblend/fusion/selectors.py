@@ -2,43 +2,134 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ragblend.models.adapters import LayerProjections
+
+
+@dataclass
+class CheckLayer:
+    """What a selector sees at a check layer.
+
+    ``candidates`` are local indices into ``active`` (the rows computed on this layer) that
+    have a cached KV and may be chosen; the properties give their fresh and cached pre-RoPE K
+    and V, [1, kv_heads, m, head_dim].
+    """
+
+    layer: int
+    proj: LayerProjections
+    cached_k_all: torch.Tensor  # [1, Hkv, N, d] pre-RoPE, whole prompt
+    cached_v_all: torch.Tensor
+    keys_all: torch.Tensor  # [1, Hkv, N, d] post-RoPE cached keys (fresh rows not yet written)
+    active: torch.Tensor  # original positions of the rows computed on this layer
+    tail_start: int  # first position of the question (uncached tail)
+    scaling: float
+    candidates: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.active[self.candidates]
+
+    @property
+    def fresh_k(self) -> torch.Tensor:
+        return self.proj.k_pre[:, :, self.candidates]
+
+    @property
+    def fresh_v(self) -> torch.Tensor:
+        return self.proj.v[:, :, self.candidates]
+
+    @property
+    def cached_k(self) -> torch.Tensor:
+        return self.cached_k_all[:, :, self.rows]
+
+    @property
+    def cached_v(self) -> torch.Tensor:
+        return self.cached_v_all[:, :, self.rows]
+
+    def question_attention(self) -> torch.Tensor:
+        """Attention mass [m] the question's rows give each candidate on this layer.
+
+        Uses the fresh queries of the question rows and the keys before the question (fresh
+        where computed on this layer, cached elsewhere), softmax over those keys, averaged
+        over heads and question rows.
+        """
+        q = self.proj.q
+        tail = int((self.active >= self.tail_start).sum())
+        heads, dim = q.shape[1], q.shape[3]
+        kv_heads = self.keys_all.shape[1]
+        keys = self.keys_all[:, :, : self.tail_start].clone()
+        computed = self.active < self.tail_start
+        keys[:, :, self.active[computed]] = self.proj.k[:, :, computed]
+        qt = q[:, :, q.shape[2] - tail :].reshape(1, kv_heads, (heads // kv_heads) * tail, dim)
+        probs = torch.softmax((qt.float() @ keys.float().transpose(-1, -2)) * self.scaling, -1)
+        return probs.mean(dim=(0, 1, 2))[self.rows]
+
 
 class TokenSelector(Protocol):
-    """Scores rows that have a cached KV; higher score → recomputed first."""
+    """Scores candidate rows at a check layer; higher score → recomputed first."""
 
     name: str
 
-    def scores(
-        self,
-        layer: int,
-        fresh_k: torch.Tensor,
-        fresh_v: torch.Tensor,
-        cached_k: torch.Tensor,
-        cached_v: torch.Tensor,
-    ) -> torch.Tensor:
-        """Tensors [1, kv_heads, m, head_dim] (K pre-RoPE) → scores [m]."""
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        """Scores [m] for ``check.candidates``."""
 
 
 class KVDeviationSelector:
-    """Squared L2 distance between fresh and cached K and/or V, in fp32, over heads × dims."""
+    """HKVD: squared L2 distance between fresh and cached K and/or V, fp32, heads × dims."""
 
     name = "kv-deviation"
 
     def __init__(self, deviation: str = "kv") -> None:
         self.deviation = deviation
 
-    def scores(self, layer, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor:
+    def scores(self, check: CheckLayer) -> torch.Tensor:
         total = None
         if "k" in self.deviation:
-            total = _squared_distance(fresh_k, cached_k)
+            total = _squared_distance(check.fresh_k, check.cached_k)
         if "v" in self.deviation:
-            dv = _squared_distance(fresh_v, cached_v)
+            dv = _squared_distance(check.fresh_v, check.cached_v)
             total = dv if total is None else total + dv
         return total
+
+
+class RelativeKVDeviationSelector(KVDeviationSelector):
+    """KV deviation relative to the cached vector's norm (scale-free per token)."""
+
+    name = "kv-relative"
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        total = None
+        if "k" in self.deviation:
+            total = _relative_distance(check.fresh_k, check.cached_k)
+        if "v" in self.deviation:
+            dv = _relative_distance(check.fresh_v, check.cached_v)
+            total = dv if total is None else total + dv
+        return total
+
+
+class QuestionAttentionSelector:
+    """Rows the question attends to most on the check layer (query-aware, no deviation)."""
+
+    name = "attention"
+
+    def __init__(self, deviation: str = "kv") -> None:
+        self.deviation = deviation
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        return check.question_attention()
+
+
+class DeviationTimesAttentionSelector(KVDeviationSelector):
+    """KV deviation weighted by the question's attention: deviating rows that matter."""
+
+    name = "kv-attention"
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        attention = check.question_attention()
+        return super().scores(check) * (attention / attention.mean().clamp_min(1e-12))
 
 
 class RandomSelector:
@@ -49,8 +140,9 @@ class RandomSelector:
     def __init__(self, deviation: str = "kv", seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def scores(self, layer, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor:
-        return torch.rand(fresh_k.shape[2], generator=self.generator).to(fresh_k.device)
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        m = check.candidates.numel()
+        return torch.rand(m, generator=self.generator).to(check.active.device)
 
 
 def _squared_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -60,7 +152,18 @@ def _squared_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return d / d.mean().clamp_min(1e-12)
 
 
-SELECTORS: dict[str, type] = {"kv-deviation": KVDeviationSelector, "random": RandomSelector}
+def _relative_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.float(), b.float()
+    return (a - b).pow(2).sum(dim=(0, 1, 3)) / b.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
+
+
+SELECTORS: dict[str, type] = {
+    "kv-deviation": KVDeviationSelector,
+    "kv-relative": RelativeKVDeviationSelector,
+    "attention": QuestionAttentionSelector,
+    "kv-attention": DeviationTimesAttentionSelector,
+    "random": RandomSelector,
+}
 
 
 def make_selector(name: str, deviation: str = "kv") -> TokenSelector:
