@@ -171,9 +171,14 @@ from ragblend.store import disk
 
 real_write, real_replace, real_incr = disk.DiskStore._write, os.replace, diskcache.Cache.incr
 
+writes = {"n": 0}
+
 def write(self, tmp, key, kv):
+    writes["n"] += 1
     if point in ("random", "sigint"):
         time.sleep(0.05)  # slow enough for the parent to interrupt mid-run
+    if point == "sigint" and writes["n"] > 3:
+        time.sleep(0.5)  # the parent signals after 3 entries: never let the job outrun it
     size = real_write(self, tmp, key, kv)
     if point == "mid-write" and due():
         os.truncate(tmp, size // 2)  # the process dies with half the file written
