@@ -296,6 +296,8 @@ class BlendEngine:
         else:
             fusion, cache = self._fused_prefill(prompt, mode, ratio, stats)
             logits = fusion.logits
+        if logits.is_cuda:  # kernels are asynchronous: TTFT ends when the logits exist
+            torch.cuda.synchronize(logits.device)
         stats.ttft_ms = (time.perf_counter() - t0) * 1000
         return Prefill(logits=logits, cache=cache, prompt_ids=ids, stats=stats, fusion=fusion)
 
@@ -498,6 +500,8 @@ class BlendEngine:
                 self._check_length(len(prompt))
                 t0 = time.perf_counter()
                 out = self._forward(prompt, None)
+                if out.logits.is_cuda:
+                    torch.cuda.synchronize(out.logits.device)
                 stats = BlendStats(mode="full", prompt_tokens=len(prompt))
                 stats.ttft_ms = (time.perf_counter() - t0) * 1000
                 pre = Prefill(out.logits[0, -1].float(), out.past_key_values, prompt, stats)

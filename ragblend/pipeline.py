@@ -98,6 +98,9 @@ class LayerLoader:
 
         def reader() -> None:
             try:
+                # Copies here are small; an OpenMP team of their own would compete with the
+                # compute threads for the same cores (intra-op thread count is per thread).
+                torch.set_num_threads(1)
                 if stager is not None:
                     stager.enter_thread()
                 for layer in range(self.num_layers):

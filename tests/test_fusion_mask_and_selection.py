@@ -146,3 +146,15 @@ def test_a_missing_chunk_is_recomputed_in_place_and_counted(tokenizer):
     assert missed == [CHUNKS[2]]
     full = engine.prefill(prompt, "full")
     torch.testing.assert_close(out.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def test_contiguous_tail_rows_take_the_causal_kernel_and_match_the_reference():
+    torch.manual_seed(1)
+    n, heads, kv_heads, dim = 300, 4, 2, 8
+    positions = torch.arange(40, n)
+    q = torch.randn(1, heads, positions.numel(), dim)
+    k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, None)
+    assert plan.causal_start == 40
+    torch.testing.assert_close(attend_rows(q, k, v, plan, 0.3),
+                               _reference_rows(q, k, v, positions, 0.3), atol=1e-5, rtol=1e-5)

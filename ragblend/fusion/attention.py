@@ -51,6 +51,10 @@ class RowAttentionPlan:
     ) -> None:
         pos = positions.tolist()
         self.num_rows = len(pos)
+        # Rows P, P+1, …, P+m-1 with no window: when they end the prompt, SDPA's causal
+        # kernel (queries padded with P dummy rows) is faster than masked blocks.
+        contiguous = bool(pos) and pos[-1] - pos[0] + 1 == len(pos)
+        self.causal_start = pos[0] if contiguous and sliding_window is None else None
         self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
         for a, b in row_blocks(pos):
             end = pos[b - 1] + 1
@@ -76,6 +80,14 @@ def attend_rows(
     _, heads, m, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
+    start = plan.causal_start
+    if start is not None and start + m == k.shape[2]:
+        if start:
+            q = torch.cat([q.new_zeros(1, heads, start, dim), q], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
+        )[:, :, start:]
+        return out.transpose(1, 2).reshape(1, m, heads * dim)
     q = q.reshape(1, kv_heads, groups, m, dim)
     outs = []
     for a, b, start, end, bias in plan.blocks:
