@@ -35,4 +35,4 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch
     """KL(reference ‖ other) per row of logits [T, V] (or [V]), in nats."""
     p_log = torch.log_softmax(reference_logits.float(), dim=-1)
     q_log = torch.log_softmax(logits.float(), dim=-1)
-    return (p_log.exp() * (p_log - q_log)).sum(dim=-1)
+    return (p_log.exp() * (p_log - q_log)).sum(dim=-1).clamp_min(0.0)  # no float-noise negatives
