@@ -12,8 +12,6 @@ sources and time-to-first-token.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,50 +22,24 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
-COLLECTION = "musique-dev"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="MuSiQue-format JSON")
-    p.add_argument("--questions", type=int, default=3, help="questions to answer")
-    p.add_argument("--cases", type=int, default=None,
-                   help="cases whose passages are indexed (default: --questions; 0: all)")
-    p.add_argument("--top-k", type=int, default=6, help="passages retrieved per question")
-    p.add_argument("--persist-dir", type=Path, default=None,
-                   help="Chroma directory (default: a temporary one, removed at exit); "
-                   "an existing collection there is rebuilt")
-    p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--ratio", type=float, default=None, help="blend recompute ratio")
-    return p.parse_args(argv)
+from _common import COLLECTION, load_passages, parse_args  # noqa: E402
 
 
 def load_documents(path: Path, cases: int):
     """The dataset and one Document per distinct passage of the first ``cases`` (0: all)."""
     from langchain_core.documents import Document
 
-    if not path.is_file():
-        sys.exit(f"dataset not found: {path} (pass --dataset)")
-    data = json.loads(path.read_text())
-    selected = data if cases == 0 else data[:cases]
-    seen: set[str] = set()
-    docs = []
-    for case_no, case in enumerate(selected):
-        for ctx_no, ctx in enumerate(case["ctxs"]):
-            text = ctx["text"].strip()
-            if text and text not in seen:
-                seen.add(text)
-                meta = {"case": case_no, "ctx": ctx_no, "title": ctx.get("title") or ""}
-                docs.append(Document(page_content=text, metadata=meta))
+    data, passages = load_passages(path, cases)
+    docs = [Document(page_content=p["text"],
+                     metadata={"case": p["case"], "ctx": p["ctx"], "title": p["title"]})
+            for p in passages]
     return data, docs
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(__doc__.split("\n\n")[0], argv)
     import torch
 
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))

@@ -231,17 +231,18 @@ def test_kills_at_any_point_leave_only_complete_entries_and_warmup_resumes(
     dataset, model_dir, tmp_path
 ):
     path, n_chunks = dataset
-    store_path = tmp_path / "kv"
-    args = warmup_args(path, model_dir, store_path)
-
-    proc = spawn("sigint", 0, args)  # Ctrl-C: graceful stop
-    interrupt_when(proc, store_path, 3, signal.SIGINT)
+    sigint_path = tmp_path / "kv-sigint"
+    proc = spawn("sigint", 0, warmup_args(path, model_dir, sigint_path))  # Ctrl-C: graceful
+    interrupt_when(proc, sigint_path, 3, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode in (130, 0), err
     if proc.returncode == 130:
         assert "interrupted" in err
-    check_store(store_path)
+    check_store(sigint_path)
 
+    # The kill points run on a store of their own, so each one has chunks left to die in.
+    store_path = tmp_path / "kv"
+    args = warmup_args(path, model_dir, store_path)
     rng = random.Random(7)
     # A kill before the rename leaves the same debris as mid-write (a temp file), so the
     # points cover: temp file half written, data file renamed but not indexed, index
