@@ -20,7 +20,7 @@ import torch
 
 from ragblend import BlendEngine
 from ragblend.bench.datasets import load_cases
-from ragblend.prompt import encode, tokenize_prompt
+from ragblend.prompt import encode
 from ragblend.store import make_store
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     store = make_store(args.tier, path=tempfile.mkdtemp(prefix="ragblend-warmup-bench-"))
     engine = BlendEngine.from_pretrained("embedded", store=store)
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
-    head = tokenize_prompt(engine.tokenizer, engine.prompt_format, ["x"], "").head
+    head = engine.prompt_head()
     chunks = [encode(engine.tokenizer, c) for case in cases for c in case.chunks]
     engine.prefix_kv(head)  # the shared head is computed once, like in a real warmup job
     plain, warm = [], []

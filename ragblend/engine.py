@@ -116,6 +116,7 @@ class BlendEngine:
         self.selector = make_selector(self.config.selector, self.config.deviation)
         self.on_miss: Callable[[list[str]], None] | None = None
         self._filler_ids: list[int] | None = None
+        self._heads: dict[PromptFormat, list[int]] = {}
         self.controller = None
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -160,6 +161,14 @@ class BlendEngine:
         )
         self._check_length(len(prompt))
         return prompt
+
+    def prompt_head(self, prompt_format: PromptFormat | None = None) -> list[int]:
+        """Token ids before the first chunk (template head + system + user prefix)."""
+        fmt = prompt_format or self.prompt_format
+        head = self._heads.get(fmt)
+        if head is None:
+            head = self._heads[fmt] = tokenize_prompt(self.tokenizer, fmt, ["x"], "").head
+        return head
 
     def _check_length(self, n: int) -> None:
         limit = self.context_window
@@ -250,8 +259,7 @@ class BlendEngine:
         progress: bool = False,
     ) -> int:
         """Precompute and store the KV of each chunk; returns how many were newly stored."""
-        fmt = prompt_format or self.prompt_format
-        head = tokenize_prompt(self.tokenizer, fmt, ["x"], "").head
+        head = self.prompt_head(prompt_format)
         iterable = chunks
         if progress:
             from tqdm.auto import tqdm
@@ -267,8 +275,7 @@ class BlendEngine:
         return stored
 
     def is_cached(self, chunk: str, prompt_format: PromptFormat | None = None) -> bool:
-        fmt = prompt_format or self.prompt_format
-        head = tokenize_prompt(self.tokenizer, fmt, ["x"], "").head
+        head = self.prompt_head(prompt_format)
         return self.chunk_key(encode(self.tokenizer, chunk), self._context_ids(head)) in self.store
 
     # ------------------------------------------------------------------ prefill
@@ -446,7 +453,8 @@ class BlendEngine:
             yield token
             if step + 1 == max_new_tokens:
                 return
-            history = torch.cat([history, torch.tensor([[token]])], dim=1)
+            if sample:  # only the logits warpers read the history
+                history = torch.cat([history, torch.tensor([[token]])], dim=1)
             with torch.inference_mode():
                 out = self.model(
                     input_ids=torch.tensor([[token]], device=self.layers.device),

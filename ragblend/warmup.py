@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from ragblend.engine import BlendEngine
-from ragblend.prompt import PromptFormat, encode, tokenize_prompt
+from ragblend.prompt import PromptFormat, encode
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -34,7 +34,7 @@ class WarmupQueue:
     ) -> None:
         self.engine = engine
         self.prompt_format = prompt_format or engine.prompt_format
-        self._head = tokenize_prompt(engine.tokenizer, self.prompt_format, ["x"], "").head
+        self._head = engine.prompt_head(self.prompt_format)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._pending: set[str | tuple[int, ...]] = set()
         self.on_done = on_done

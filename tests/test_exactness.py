@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
-from helpers import engine_for, hf_forward, layer_kv
+from helpers import assert_matches_hf, engine_for, hf_forward, layer_kv
 
 ATOL = 1e-4
 
@@ -41,12 +41,7 @@ def test_blend_at_ratio_one_matches_hf_full_prefill_logits_and_every_layer_kv(fa
     out = engine.prefill(prompt, "blend")
     assert out.stats.chunk_hits == len(CHUNKS)
     assert out.stats.recomputed_fraction == 1.0
-    torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=ATOL, rtol=0)
-    for layer in range(engine.layers.num_layers):
-        k, v = layer_kv(out.cache, layer)
-        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
-        torch.testing.assert_close(k, k_ref, atol=ATOL, rtol=0)
-        torch.testing.assert_close(v, v_ref, atol=ATOL, rtol=0)
+    assert_matches_hf(out, ref, range(engine.layers.num_layers), atol=ATOL)
 
 
 def test_full_mode_is_hf_prefill_and_prefix_mode_equals_it(family_engine):
@@ -55,12 +50,7 @@ def test_full_mode_is_hf_prefill_and_prefix_mode_equals_it(family_engine):
     ref = hf_forward(engine.model, prompt.ids)
     for mode in ("full", "prefix"):
         out = engine.prefill(prompt, mode)
-        torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=ATOL, rtol=0)
-        for layer in range(engine.layers.num_layers):
-            k, v = layer_kv(out.cache, layer)
-            k_ref, v_ref = layer_kv(ref.past_key_values, layer)
-            torch.testing.assert_close(k, k_ref, atol=ATOL, rtol=0)
-            torch.testing.assert_close(v, v_ref, atol=ATOL, rtol=0)
+        assert_matches_hf(out, ref, range(engine.layers.num_layers), atol=ATOL)
 
 
 def test_greedy_generation_after_ratio_one_blend_equals_hf_generate(family_engine):
@@ -108,12 +98,7 @@ def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     ref = hf_forward(engine.model, prompt.ids)
     out = engine.prefill(prompt, "blend")
-    torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=2e-4, rtol=0)
-    for layer in (0, 14, engine.layers.num_layers - 1):
-        k, v = layer_kv(out.cache, layer)
-        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
-        torch.testing.assert_close(k, k_ref, atol=2e-4, rtol=0)
-        torch.testing.assert_close(v, v_ref, atol=2e-4, rtol=0)
+    assert_matches_hf(out, ref, (0, 14, engine.layers.num_layers - 1), atol=2e-4)
     assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
         QUESTION, CHUNKS, mode="full", max_new_tokens=8
     ).text

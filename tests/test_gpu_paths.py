@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
-from helpers import engine_for, layer_kv
+from helpers import assert_matches_hf, engine_for, layer_kv
 
 from ragblend.store.base import ChunkKV
 from ragblend.store.memory import MemoryStore
@@ -77,13 +77,10 @@ def _cuda_forward(model, ids):
 
 def _assert_matches_full(engine, out, ref, dtype):
     logits_atol, kv_atol, kv_rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.logits, ref.logits[0, -1].float(), atol=logits_atol, rtol=0)
-    for layer in range(engine.layers.num_layers):
-        k, v = layer_kv(out.cache, layer)
-        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
-        assert k.device.type == "cuda"
-        torch.testing.assert_close(k, k_ref, atol=kv_atol, rtol=kv_rtol)
-        torch.testing.assert_close(v, v_ref, atol=kv_atol, rtol=kv_rtol)
+    assert all(layer_kv(out.cache, i)[0].device.type == "cuda"
+               for i in range(engine.layers.num_layers))
+    assert_matches_hf(out, ref, range(engine.layers.num_layers), atol=kv_atol, rtol=kv_rtol,
+                      logits_atol=logits_atol)
 
 
 @needs_cuda
@@ -144,12 +141,7 @@ def test_cuda_embedded_model_blend_at_ratio_one_matches_full_prefill(strict_fp32
     prompt = engine.tokenize(QUESTION, CHUNKS)
     ref = _cuda_forward(engine.model, prompt.ids)
     out = engine.prefill(prompt, "blend")
-    torch.testing.assert_close(out.logits, ref.logits[0, -1], atol=2e-4, rtol=0)
-    for layer in (0, 14, engine.layers.num_layers - 1):
-        k, v = layer_kv(out.cache, layer)
-        k_ref, v_ref = layer_kv(ref.past_key_values, layer)
-        torch.testing.assert_close(k, k_ref, atol=2e-4, rtol=0)
-        torch.testing.assert_close(v, v_ref, atol=2e-4, rtol=0)
+    assert_matches_hf(out, ref, (0, 14, engine.layers.num_layers - 1), atol=2e-4)
     assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
         QUESTION, CHUNKS, mode="full", max_new_tokens=8
     ).text

@@ -100,23 +100,17 @@ def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, to
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS[:1])
-    (key,) = [k for k in store.keys() if k != engine._prefix_key(_head(engine))]
+    (key,) = [k for k in store.keys() if k != engine._prefix_key(engine.prompt_head())]
     meta = store._entry(key)
     assert meta["fingerprint"] == engine.fingerprint
     assert meta["dtype"] == "torch.float32"
     assert meta["version"] == disk_mod.FORMAT_VERSION
-    assert meta["context"] == engine.chunk_key([], _head(engine))[:16]
+    assert meta["context"] == engine.chunk_key([], engine.prompt_head())[:16]
     assert meta["tokens"] == len(tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"])
 
 
 def greedy(engine, prefill, n: int) -> list[int]:
     return list(engine._decode(prefill, n, 0.0, 1.0, 0, None))
-
-
-def _head(engine):
-    from ragblend.prompt import tokenize_prompt
-
-    return tokenize_prompt(engine.tokenizer, engine.prompt_format, ["x"], "").head
 
 
 # ---------------------------------------------------------------------- LRU

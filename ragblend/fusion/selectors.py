@@ -85,12 +85,16 @@ class KVDeviationSelector:
     def __init__(self, deviation: str = "kv") -> None:
         self.deviation = deviation
 
+    @staticmethod
+    def distance(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        return _squared_distance(fresh, cached)
+
     def scores(self, check: CheckLayer) -> torch.Tensor:
         total = None
         if "k" in self.deviation:
-            total = _squared_distance(check.fresh_k, check.cached_k)
+            total = self.distance(check.fresh_k, check.cached_k)
         if "v" in self.deviation:
-            dv = _squared_distance(check.fresh_v, check.cached_v)
+            dv = self.distance(check.fresh_v, check.cached_v)
             total = dv if total is None else total + dv
         return total
 
@@ -100,14 +104,9 @@ class RelativeKVDeviationSelector(KVDeviationSelector):
 
     name = "kv-relative"
 
-    def scores(self, check: CheckLayer) -> torch.Tensor:
-        total = None
-        if "k" in self.deviation:
-            total = _relative_distance(check.fresh_k, check.cached_k)
-        if "v" in self.deviation:
-            dv = _relative_distance(check.fresh_v, check.cached_v)
-            total = dv if total is None else total + dv
-        return total
+    @staticmethod
+    def distance(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        return _relative_distance(fresh, cached)
 
 
 class QuestionAttentionSelector:
