@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,3 +49,16 @@ def load_passages(path: Path, cases: int) -> tuple[list[dict], list[dict]]:
                 passages.append({"text": text, "title": ctx.get("title") or "",
                                  "case": case_no, "ctx": ctx_no})
     return data, passages
+
+
+@contextlib.contextmanager
+def chroma_dir(persist_dir: Path | None) -> Iterator[Path]:
+    """``persist_dir``, or a temporary directory removed on exit when none is given."""
+    if persist_dir is not None:
+        yield persist_dir
+        return
+    temp_dir = tempfile.mkdtemp(prefix="ragblend-chroma-")
+    try:
+        yield Path(temp_dir)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)

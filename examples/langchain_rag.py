@@ -13,10 +13,8 @@ sources and time-to-first-token.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import COLLECTION, load_passages, parse_args  # noqa: E402
+from _common import COLLECTION, chroma_dir, load_passages, parse_args  # noqa: E402
 
 
 def load_documents(path: Path, cases: int):
@@ -53,13 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     data, docs = load_documents(args.dataset, args.questions if args.cases is None else args.cases)
-    temp_dir = None
-    persist_dir = args.persist_dir
-    if persist_dir is None:
-        temp_dir = tempfile.mkdtemp(prefix="ragblend-chroma-")
-        persist_dir = Path(temp_dir)
-
-    try:
+    with chroma_dir(args.persist_dir) as persist_dir:
         t0 = time.perf_counter()
         llm = ChatRagBlend(model=args.model, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
         store = offline_chroma(persist_dir, collection_name=COLLECTION)
@@ -112,9 +104,6 @@ def main(argv: list[str] | None = None) -> int:
               f"blend {med['blend']:.0f} ms (median speedup {statistics.median(speedups):.2f}x); "
               f"the warmup callback enqueued {len(warm.enqueued)} missing passages")
         llm.close()
-    finally:
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
 
 

@@ -12,10 +12,8 @@ the model, printing answers, sources and time-to-first-token.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import COLLECTION, load_passages, parse_args  # noqa: E402
+from _common import COLLECTION, chroma_dir, load_passages, parse_args  # noqa: E402
 
 
 def load_documents(path: Path, cases: int):
@@ -62,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding
 
     data, docs = load_documents(args.dataset, args.questions if args.cases is None else args.cases)
-    temp_dir = None
-    persist_dir = args.persist_dir
-    if persist_dir is None:
-        temp_dir = tempfile.mkdtemp(prefix="ragblend-chroma-")
-        persist_dir = Path(temp_dir)
-
-    try:
+    with chroma_dir(args.persist_dir) as persist_dir:
         t0 = time.perf_counter()
         llm = BlendLLM(args.model, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
         full_llm = BlendLLM(engine=llm.engine, mode="full", max_new_tokens=args.max_new_tokens)
@@ -122,9 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"blend {med['blend']:.0f} ms (median speedup {speedup:.2f}x)")
         llm.close()
         full_llm.close()
-    finally:
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
 
 
