@@ -7,6 +7,7 @@ from typing import Literal
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
+KV_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "int8")
 PrecomputeContext = Literal["prefix", "filler", "bos", "none"]
 
 
@@ -25,6 +26,11 @@ class BlendConfig:
         at the last check layer are recomputed on all later layers.
     selector: name of a registered token selector (``kv-deviation``).
     deviation: which cached tensor the deviation is measured on: ``"k"``, ``"v"`` or ``"kv"``.
+    namespace: tenant salt mixed into every chunk and prefix key (``None``: no tenant). Set by
+        the server side that builds the engine; tenants never hit each other's entries.
+    kv_dtype: storage dtype of chunk KV, independent of the compute dtype: ``"auto"`` (the
+        compute dtype), ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"int8"``. Part of
+        every key, so an entry never serves a request expecting another storage dtype.
     precompute_context: what each chunk is prefilled after when its KV is precomputed:
         ``"prefix"`` (the prompt head: template + system prompt), ``"bos"`` or ``"none"``.
     """
@@ -40,6 +46,8 @@ class BlendConfig:
     mode: Mode = "blend"
     device: str = "cpu"
     dtype: str = "float32"
+    namespace: str | None = None
+    kv_dtype: str = "auto"
     max_new_tokens: int = 64
     ram_bytes: int = 4 << 30
     extra: dict = field(default_factory=dict)
@@ -67,6 +75,12 @@ class BlendConfig:
                 )
         if self.deviation not in ("k", "v", "kv"):
             raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise RagblendError(
+                f"unknown kv_dtype {self.kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}"
+            )
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
         if self.precompute_context not in ("prefix", "filler", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 

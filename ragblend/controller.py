@@ -130,10 +130,10 @@ def store_tier(store) -> tuple[str, Path | None]:
 
 
 def profile_path(fingerprint: str, device: str) -> Path:
-    from ragblend.models.loading import ragblend_home
+    from ragblend.paths import profiles_dir
 
     safe_device = device.replace(":", "")
-    return ragblend_home() / "profiles" / f"{fingerprint[:16]}-{safe_device}.json"
+    return profiles_dir() / f"{fingerprint[:16]}-{safe_device}.json"
 
 
 def load_or_profile(engine, disk_path: Path | None = None, refresh: bool = False) -> Profile:

@@ -191,10 +191,24 @@ class BlendEngine:
         return []
 
     def chunk_key(self, chunk_ids: Sequence[int], context_ids: Sequence[int]) -> str:
-        return chunk_key(self.fingerprint, self.layers.dtype, context_ids, chunk_ids)
+        return chunk_key(
+            fingerprint=self.fingerprint,
+            dtype=self.layers.dtype,
+            kv_dtype=self.kv_dtype,
+            namespace=self.config.namespace,
+            context_ids=context_ids,
+            chunk_ids=chunk_ids,
+        )
 
     def _prefix_key(self, head: Sequence[int]) -> str:
-        return chunk_key(self.fingerprint, self.layers.dtype, [], head)
+        return self.chunk_key(head, [])
+
+    @property
+    def kv_dtype(self) -> str:
+        """Storage dtype of chunk KV ("auto" resolves to the compute dtype)."""
+        if self.config.kv_dtype == "auto":
+            return str(self.layers.dtype).removeprefix("torch.")
+        return self.config.kv_dtype
 
     # ------------------------------------------------------------------ precompute
     def _loader(self, segments: Sequence[Segment]) -> LayerLoader:
@@ -207,7 +221,7 @@ class BlendEngine:
             lay.head_dim,
             lay.device,
             lay.dtype,
-            prefetch=getattr(self.store, "prefetch_depth", 0),
+            prefetch=self.store.prefetch_depth,
         )
 
     def _compute_kv(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
@@ -343,7 +357,7 @@ class BlendEngine:
                 return self._fused_prefill_once(prompt, mode, ratio, stats)
             except CorruptEntryError as exc:
                 log.info("%s; recomputing it", exc)  # the store has warned already
-                getattr(self.store, "discard", lambda key: None)(exc.key)
+                self.store.discard(exc.key)
         return self._fused_prefill_once(prompt, mode, ratio, stats)
 
     def _fused_prefill_once(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):

@@ -14,6 +14,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
+from ragblend.paths import models_dir
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +23,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def ragblend_home() -> Path:
-    """Root of ragblend's caches: ``$RAGBLEND_HOME`` or ``~/.cache/ragblend``."""
-    return Path(os.environ.get("RAGBLEND_HOME", Path.home() / ".cache" / "ragblend"))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -56,7 +52,7 @@ def embedded_gguf_path() -> Path:
 
 def embedded_model_dir() -> Path:
     """Safetensors copy of the embedded model, converted from the GGUF on first use."""
-    target = ragblend_home() / "models" / EMBEDDED_NAME
+    target = models_dir() / EMBEDDED_NAME
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf = embedded_gguf_path()

@@ -37,6 +37,40 @@ class ChunkKV:
         """K and V of one layer, [kv_heads, tokens, head_dim] (views: do not modify)."""
         return self.k[index], self.v[index]
 
+    def materialize(self) -> ChunkKV:
+        return self
+
+
+@runtime_checkable
+class KVEntry(Protocol):
+    """One stored chunk's KV as a tier hands it out: in RAM (``ChunkKV``), on disk (read
+    layer by layer), remote, or quantised. ``layer(i)`` returns tensors in the compute dtype.
+    """
+
+    meta: dict
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entry occupies in its tier (scales included)."""
+        ...
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE K and V of one layer, [kv_heads, tokens, head_dim]; do not modify.
+
+        Raises ``CorruptEntryError`` when the layer fails verification.
+        """
+        ...
+
+    def materialize(self) -> ChunkKV:
+        """Every layer in memory, verified."""
+        ...
+
 
 @dataclass
 class StoreStats:
@@ -61,14 +95,30 @@ class StoreStats:
 
 @runtime_checkable
 class KVStore(Protocol):
-    """What the engine needs from a KV store; tiers (RAM, disk, tiered) implement it."""
+    """Everything callers use of a KV store; each tier (RAM, disk, tiered, ...) implements it.
+
+    A store is a cache: every failure inside it (missing, corrupt, foreign or partial entries,
+    a damaged index, an unreachable server) is a miss, never an exception out of ``get``.
+    """
 
     stats: StoreStats
+    #: short name of the tier ("ram", "disk", "tiered", ...), recorded in benchmark settings
+    tier: str
+    #: layers the layer loader may read ahead on a reader thread (0: entries are in memory)
+    prefetch_depth: int
 
-    def get(self, key: str) -> ChunkKV | None:
+    def get(self, key: str) -> KVEntry | None:
         """The entry, or None on a miss (never a partial or foreign entry)."""
+        ...
 
-    def put(self, key: str, kv: ChunkKV) -> None:
-        """Store an entry (may evict others)."""
+    def put(self, key: str, kv: KVEntry) -> None:
+        """Store an entry (may evict others); a failed write is logged, never raised."""
+        ...
+
+    def discard(self, key: str) -> None:
+        """Drop an entry (e.g. one that failed verification while being read)."""
+        ...
 
     def __contains__(self, key: str) -> bool: ...
+
+    def close(self) -> None: ...

@@ -64,9 +64,9 @@ _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
 def default_store_path() -> Path:
     """``ragblend_home()/kv``."""
-    from ragblend.models.loading import ragblend_home
+    from ragblend.paths import kv_dir
 
-    return ragblend_home() / "kv"
+    return kv_dir()
 
 
 def checksum_algorithm() -> str:
@@ -317,6 +317,7 @@ class DiskStore:
     against crashes of the process, not of the machine.
     """
 
+    tier = "disk"
     tier = "disk"
     prefetch_depth = 2
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-KEY_VERSION = 1
+KEY_VERSION = 2
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -22,16 +22,30 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    return torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()
+
+
 def chunk_key(
-    fingerprint: str, dtype: torch.dtype | str, context_ids: Sequence[int], chunk_ids: Sequence[int]
+    *,
+    fingerprint: str,
+    dtype: torch.dtype | str,
+    kv_dtype: str,
+    context_ids: Sequence[int],
+    chunk_ids: Sequence[int],
+    namespace: str | None = None,
 ) -> str:
-    """Key of one chunk's KV: model, dtype, the precompute context and the chunk's token ids.
+    """Key of one chunk's KV: model, compute and storage dtypes, tenant namespace, the
+    precompute context and the chunk's token ids.
 
     Independent of where the chunk appears in a prompt, so a permuted retrieval still hits.
+    Keyword-only so that callers cannot swap the context and the chunk. The namespace salts
+    every key: tenants never share (or probe) each other's entries.
     """
     h = hashlib.sha256()
-    h.update(f"ragblend-kv-v{KEY_VERSION}|{fingerprint}|{dtype}|".encode())
-    h.update(torch.tensor(list(context_ids), dtype=torch.int64).numpy().tobytes())
+    h.update(f"ragblend-kv-v{KEY_VERSION}|{fingerprint}|{dtype}|{kv_dtype}|".encode())
+    h.update(f"ns={namespace or ''}|".encode())
+    h.update(_ids_bytes(context_ids))
     h.update(b"|")
-    h.update(torch.tensor(list(chunk_ids), dtype=torch.int64).numpy().tobytes())
+    h.update(_ids_bytes(chunk_ids))
     return h.hexdigest()

@@ -11,6 +11,9 @@ from ragblend.store.base import ChunkKV, StoreStats
 class MemoryStore:
     """Thread-safe LRU keyed by chunk key, bounded by ``capacity_bytes`` of tensor data."""
 
+    tier = "ram"
+    prefetch_depth = 0
+
     def __init__(self, capacity_bytes: int = 4 << 30) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.stats = StoreStats()
@@ -61,6 +64,9 @@ class MemoryStore:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
+
+    def close(self) -> None:
+        self.clear()
 
     def clear(self) -> None:
         with self._lock:

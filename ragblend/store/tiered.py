@@ -74,6 +74,7 @@ class TieredStore:
     """RAM first, then disk (a disk hit is promoted to RAM once read); puts write through."""
 
     tier = "tiered"
+    tier = "tiered"
     prefetch_depth = 2
 
     def __init__(self, ram: MemoryStore, disk: DiskStore) -> None:
