@@ -8,7 +8,7 @@ from typing import Literal
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
 KV_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "int8")
-PrecomputeContext = Literal["prefix", "filler", "bos", "none"]
+PrecomputeContext = Literal["prefix", "canonical", "filler", "bos", "none"]
 
 
 @dataclass
@@ -32,7 +32,9 @@ class BlendConfig:
         compute dtype), ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"int8"``. Part of
         every key, so an entry never serves a request expecting another storage dtype.
     precompute_context: what each chunk is prefilled after when its KV is precomputed:
-        ``"prefix"`` (the prompt head: template + system prompt), ``"bos"`` or ``"none"``.
+        ``"prefix"`` (the prompt head: template + system prompt), ``"canonical"`` (the chat
+        template's head with a fixed neutral system prompt: hits under any template),
+        ``"filler"``, ``"bos"`` or ``"none"``.
     """
 
     ratio: float | Literal["auto"] = 0.15
@@ -81,7 +83,7 @@ class BlendConfig:
             )
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
-        if self.precompute_context not in ("prefix", "filler", "bos", "none"):
+        if self.precompute_context not in ("prefix", "canonical", "filler", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 
     def schedule(self, ratio: float) -> list[tuple[int, float]]:

@@ -17,10 +17,18 @@ from ragblend.fusion.selectors import make_selector
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.loading import load_model
 from ragblend.pipeline import LayerLoader
-from ragblend.prompt import FILLER_PASSAGE, PromptFormat, TokenizedPrompt, encode, tokenize_prompt
+from ragblend.prompt import (
+    CANONICAL_FORMAT,
+    FILLER_PASSAGE,
+    PromptFormat,
+    TokenizedPrompt,
+    encode,
+    tokenize_prompt,
+)
 from ragblend.store.base import ChunkKV, KVStore
 from ragblend.store.keys import chunk_key, model_fingerprint
 from ragblend.store.memory import MemoryStore
+from ragblend.store.quant import pack
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +190,8 @@ class BlendEngine:
         kind = self.config.precompute_context
         if kind == "prefix":
             return list(head)
+        if kind == "canonical":  # independent of the user's template and system prompt
+            return self.prompt_head(CANONICAL_FORMAT)
         if kind == "bos":
             return head[:1]
         if kind == "filler":
@@ -263,7 +273,7 @@ class BlendEngine:
             kv = self._compute_kv(list(chunk_ids), context_ids)
         except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
             kv = self._compute_kv(list(chunk_ids), context_ids)
-        self.store.put(key, kv)
+        self.store.put(key, pack(kv, self.kv_dtype))
         return True
 
     def precompute(

@@ -148,3 +148,10 @@ def tokenize_prompt(
 def _adds_bos(tokenizer) -> bool:
     ids = tokenizer("a")["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+# The context chunks are precomputed after with ``precompute_context="canonical"``: the chat
+# template's head with a fixed neutral system prompt, whatever template the user's prompt uses,
+# so a chunk's cache hits under any template; the fused prefill corrects for the real head.
+CANONICAL_SYSTEM = "You are a helpful assistant. Read the passages below."
+CANONICAL_FORMAT = PromptFormat(system=CANONICAL_SYSTEM, prefix="")

@@ -40,6 +40,10 @@ class ChunkKV:
     def materialize(self) -> ChunkKV:
         return self
 
+    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors a tier persists for one layer (see ``ragblend.store.quant``)."""
+        return {"k": self.k[index], "v": self.v[index]}
+
 
 @runtime_checkable
 class KVEntry(Protocol):
