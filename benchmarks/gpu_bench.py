@@ -267,10 +267,7 @@ def tier_stores(master: MemoryStore, tiers: list[str], device: torch.device, sto
 
 
 def view_for(engine: BlendEngine, store, controller=None) -> BlendEngine:
-    view = engine.with_config()
-    view.store = store
-    view.controller = controller
-    return view
+    return engine.with_config(store=store, controller=controller)
 
 
 @dataclass
@@ -613,7 +610,7 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
               flush=True)
         if "device" not in wanted:
             master.clear()  # the GPU copies are no longer needed
-        engine.store = stores[tiers[0]] if tiers else master
+        engine = engine.with_config(store=stores[tiers[0]] if tiers else master)
         info["tiers"] = tiers
         info["store_path"] = str(store_root)
         info["store_filesystem"] = filesystem_of(store_root)

@@ -81,8 +81,7 @@ def main() -> None:
         runs = {"reuse": reuse, "blend (layer-1 deviation)": engine.prefill(prompt, "blend")}
         for name, scores in (("oracle: total deviation", total),
                              ("oracle: deviation on layers >= 10", devs[10:].sum(0))):
-            view = engine.with_config()
-            view.selector = FixedScores(scores)
+            view = engine.with_config(selector=FixedScores(scores))
             runs[name] = view.prefill(prompt, "blend")
         for name, pre in runs.items():
             kl = kl_divergence(ref, engine.teacher_forced_logits(pre, answer)).mean()

@@ -79,7 +79,7 @@ def test_reuse_equals_stored_chunk_caches_with_only_positions_changed(family, to
     for i, chunk in enumerate(prompt.chunks):
         if i:
             start += len(prompt.separator)
-        stored = engine.store.get(engine.chunk_key(chunk, context))
+        stored = engine.store.get(engine.chunk_key(context_ids=context, chunk_ids=chunk))
         positions = torch.arange(start, start + len(chunk))
         for layer in range(lay.num_layers):
             k_pre, v = stored.layer(layer)

@@ -9,6 +9,7 @@ from helpers import engine_for
 
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import Segment, fuse
+from ragblend.fusion.trace import SelectionTrace
 from ragblend.store.base import ChunkKV
 
 
@@ -74,7 +75,7 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
         for i, chunk in enumerate(prompt.chunks):
             if i:
                 segs.append(Segment("separator", prompt.separator))
-            kv = engine.store.get(engine.chunk_key(chunk, context))
+            kv = engine.store.get(engine.chunk_key(context_ids=context, chunk_ids=chunk))
             if i == len(prompt.chunks) - 1 and noise:
                 g = torch.Generator().manual_seed(1)
                 kv = ChunkKV(kv.k + noise * torch.randn(kv.k.shape, generator=g),
@@ -107,10 +108,13 @@ def test_gradual_filtering_selects_within_the_previous_selection(tokenizer):
                         check_scales=(3.0, 2.0, 1.0))
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    out = engine.prefill(prompt, "blend").fusion
+    segments, _ = engine.chunks.lookup(prompt)
+    trace = SelectionTrace()
+    out = fuse(engine.layers, segments, engine.chunks.loader(segments),
+               engine.config.schedule(0.2), engine.selector, trace=trace)
     chunk_tokens = sum(len(c) for c in prompt.chunks)
     forced = len(prompt.ids) - len(prompt.head) - chunk_tokens
-    sel = [set(out.selections[layer].tolist()) for layer in (0, 1, 2)]
+    sel = [set(trace.selections[layer].tolist()) for layer in (0, 1, 2)]
     assert sel[2] <= sel[1] <= sel[0]
     for s, r in zip(sel, (0.6, 0.4, 0.2)):
         assert len(s) == forced + round(r * chunk_tokens)

@@ -10,7 +10,7 @@ from conftest import CHUNKS, QUESTION, tiny_model
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import CorruptEntryError
-from ragblend.pipeline import LayerLoader
+from ragblend.fusion.layer_loader import LayerLoader
 from ragblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore
 
 LAYERS, HEADS, DIM = 8, 2, 4
