@@ -129,15 +129,21 @@ class _Sampler:
 def decode_cache(model: torch.nn.Module, prompt_cache, total_len: int):
     """A cache for decoding that holds ``prompt_cache``'s K/V and room for ``total_len`` tokens.
 
-    Full-attention models get a preallocated ``StaticCache`` (new tokens are written in place;
-    the prompt cache is left as it is). Caches with sliding-window layers are deep-copied and
-    grow as before, since their layers keep only the window.
+    Where every layer can hold ``total_len`` tokens (full attention, or a sliding window no
+    shorter than that), a preallocated ``StaticCache``: new tokens are written in place and the
+    prompt cache is left as it is. Otherwise (a window shorter than the sequence) a deep copy
+    that grows as before.
     """
     from transformers import StaticCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    def fits(layer) -> bool:
+        if type(layer) is DynamicLayer:
+            return True
+        return type(layer) is DynamicSlidingWindowLayer and total_len <= layer.sliding_window
 
     layers = getattr(prompt_cache, "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+    if not layers or not all(fits(layer) for layer in layers):
         return copy.deepcopy(prompt_cache)
     static = StaticCache(config=model.config, max_cache_len=total_len)
     for index, layer in enumerate(layers):

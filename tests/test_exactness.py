@@ -102,3 +102,28 @@ def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine)
     assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
         QUESTION, CHUNKS, mode="full", max_new_tokens=8
     ).text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_into_the_static_cache_equals_hf_generate_and_leaves_the_prefill_alone(
+    family, tokenizer
+):
+    from transformers import StaticCache
+
+    from ragblend.generation import decode_cache
+
+    engine = engine_for(_model(family), tokenizer)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    pre = engine.prefill(prompt, "full")
+    assert isinstance(decode_cache(engine.model, pre.cache, len(prompt) + 4), StaticCache)
+    before = [layer_kv(pre.cache, i)[0].clone() for i in range(engine.layers.num_layers)]
+    ids = engine.greedy_answer(pre, 24)
+    with torch.inference_mode():
+        ref = engine.model.generate(
+            torch.tensor([prompt.ids]), max_new_tokens=24, do_sample=False,
+            eos_token_id=list(engine.eos_ids), pad_token_id=0,
+        )
+    assert ids == [t for t in ref[0, len(prompt.ids):].tolist() if t not in engine.eos_ids]
+    for i, k in enumerate(before):
+        assert torch.equal(layer_kv(pre.cache, i)[0], k)
+    assert engine.greedy_answer(pre, 24) == ids  # the prefill can be decoded again
