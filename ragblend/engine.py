@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ragblend.chunk_cache import ChunkCache
-from ragblend.config import MODES, BlendConfig
+from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.fusion.fusor import Segment, fuse
+from ragblend.fusion.fusor import fuse
 from ragblend.fusion.selectors import TokenSelector, make_selector
 from ragblend.generation import (
     BlendResult,
@@ -62,7 +62,7 @@ class BlendEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layers: LayerwiseModel = adapter_for(model)
-        self.config = _fit_to_depth(config or BlendConfig(), self.layers)
+        self.config = fit_to_depth(config or BlendConfig(), self.layers.num_layers)
         self.prompt_format = prompt_format or PromptFormat()
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
@@ -105,7 +105,8 @@ class BlendEngine:
         if selector is not None and not isinstance(selector, str):
             overrides["selector"] = getattr(selector, "name", type(selector).__name__)
         view = copy.copy(self)
-        view.config = _fit_to_depth(dataclasses.replace(self.config, **overrides), self.layers)
+        config = dataclasses.replace(self.config, **overrides)
+        view.config = fit_to_depth(config, self.layers.num_layers)
         if selector is not None and not isinstance(selector, str):
             view.selector = selector
         else:
@@ -198,9 +199,6 @@ class BlendEngine:
     def _prefix_key(self, head: Sequence[int]) -> str:
         return self.chunks.prefix_key(head)
 
-    def _loader(self, segments: Sequence[Segment]):
-        return self.chunks.loader(segments)
-
     # ------------------------------------------------------------------ prefill
     def prefill(
         self, prompt: TokenizedPrompt, mode: str | None = None, ratio: float | str | None = None
@@ -212,8 +210,8 @@ class BlendEngine:
         no chunk to fuse (or whose loading would be slower than a full prefill) runs a full
         prefill and says so: ``stats.mode == "full"``, ``stats.fallback_reason``.
         """
-        mode = _check_mode(mode or self.config.mode)
-        _check_ratio(ratio)
+        mode = check_mode(mode or self.config.mode)
+        check_ratio(ratio)
         with self._lock:
             return self._prefill(prompt, mode, ratio)
 
@@ -338,8 +336,8 @@ class BlendEngine:
         params = SamplingParams(**sampling)
         max_new = params.max_new_tokens
         max_new = self.config.max_new_tokens if max_new is None else max_new
-        mode = _check_mode(mode or self.config.mode)
-        _check_ratio(ratio)
+        mode = check_mode(mode or self.config.mode)
+        check_ratio(ratio)
         if isinstance(prompt, list):
             self._check_length(len(prompt))
 
@@ -422,45 +420,6 @@ class BlendEngine:
                 )
             rows.append(out.logits[0].float())
         return torch.cat(rows, dim=0)
-
-
-def _check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise RagblendError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    return mode
-
-
-def _check_ratio(ratio) -> None:
-    if ratio is None or ratio == "auto":
-        return
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-        raise RagblendError(f"ratio must be a number in [0, 1] or 'auto', got {ratio!r}")
-
-
-def _fit_to_depth(config: BlendConfig, layers: LayerwiseModel) -> BlendConfig:
-    """``config`` with check layers the model has.
-
-    The default schedule (check layers (1, 10)) is cut to the layers a shallower model has,
-    keeping ``ratio`` after its last check layer; check layers set explicitly beyond the
-    model's depth are an error.
-    """
-    depth = layers.num_layers
-    if config.check_layers[-1] < depth:
-        return config
-    defaults = BlendConfig()
-    is_default = (config.check_layers, config.check_scales) == (
-        defaults.check_layers,
-        defaults.check_scales,
-    )
-    kept = tuple(layer for layer in config.check_layers if layer < depth)
-    if is_default and kept:
-        return dataclasses.replace(config, check_layers=kept, check_scales=None)
-    if config.check_layers[-1] >= depth:
-        raise RagblendError(
-            f"check_layers {config.check_layers} name a layer the model does not have: it has "
-            f"{depth} layers (0..{depth - 1})"
-        )
-    return config
 
 
 def _fall_back(stats: BlendStats, reason: str) -> None:

@@ -13,7 +13,7 @@ from ragblend.cli import main
 from ragblend.errors import RagblendError
 
 MODE_KEYS = {"ttft_ms_median", "ttft_ms_mean", "f1", "agreement_with_full",
-             "first_token_kl_mean", "answer_kl_mean", "n"}
+             "first_token_kl_mean", "answer_kl_mean", "decode_tokens_per_s", "n"}
 
 
 def test_squad_f1_normalises_case_punctuation_and_articles():
@@ -45,6 +45,7 @@ def test_malformed_dataset_is_a_clear_error(tmp_path, tokenizer):
         load_cases(path, tokenizer)
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     dataset = tmp_path / "cases.json"
     dataset.write_text(json.dumps(dev_cases[:1]))
@@ -66,6 +67,7 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     assert results["modes"]["full"]["answer_kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert results["modes"]["prefix"]["answer_kl_mean"] == pytest.approx(0.0, abs=1e-3)
     assert 0 < results["modes"]["blend"]["recomputed_fraction_mean"] < 1
+    assert all(m["decode_tokens_per_s"] > 0 for m in results["modes"].values())
     assert set(results["speedup_vs_full"]) == {"prefix", "reuse", "blend"}
     assert (out / "ttft_vs_quality.png").stat().st_size > 1000
 

@@ -74,6 +74,7 @@ def test_sampling_is_reproducible_with_a_seed_and_respects_max_new_tokens(engine
     assert a.stats.finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_generation_stops_at_eos(embedded_engine):
     result = embedded_engine.generate_chat(
         [{"role": "user", "content": "Say hello."}], max_new_tokens=60)

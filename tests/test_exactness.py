@@ -92,6 +92,7 @@ def test_reuse_equals_stored_chunk_caches_with_only_positions_changed(family, to
         start += len(chunk)
 
 
+@pytest.mark.slow
 def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine):
     engine = embedded_engine.with_config(ratio=1.0)
     engine.precompute(CHUNKS)

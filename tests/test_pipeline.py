@@ -138,7 +138,7 @@ def test_engine_prefetches_for_disk_stores_only(tokenizer, tmp_path):
         (TieredStore(MemoryStore(), DiskStore(tmp_path / "t", 1 << 30, fsync=False)), 2),
     ]:
         engine = BlendEngine(model, tokenizer, BlendConfig(), store)
-        assert engine._loader([]).prefetch == depth
+        assert engine.chunks.loader([]).prefetch == depth
 
 
 @pytest.mark.parametrize("tier", ["disk", "tiered"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ class Record:
     first_token_kl: float = 0.0
     answer_kl: float = 0.0
     recomputed_fraction: float = 1.0
+    decode_tokens_per_s: float = float("nan")
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -87,8 +89,9 @@ def run_benchmark(
                 pre = view.prefill(prompt, v.mode)
                 recs[v.name].ttft_ms.append((time.perf_counter() - start) * 1000)
                 if repeat == repeats - 1:  # score the last measurement, then free it
-                    reference = _score(engine, view, v, pre, case, recs[v.name], reference,
-                                       max_new_tokens)
+                    reference = _score(
+                        engine, view, v, pre, case, recs[v.name], reference, max_new_tokens
+                    )
                 del pre
         for v in variants:
             records[v.name].append(recs[v.name])
@@ -99,10 +102,17 @@ def _score(engine, view, variant, pre, case, rec: Record, reference, max_new_tok
     """Fill ``rec``'s quality fields; returns the reference (set when ``variant`` is full)."""
     if reference is None:  # this is the full-prefill reference
         ids = engine.greedy_answer(pre, max_new_tokens)
-        reference = (pre.logits, ids, engine.tokenizer.decode(ids, skip_special_tokens=True),
-                     engine.teacher_forced_logits(pre, ids))
+        reference = (
+            pre.logits,
+            ids,
+            engine.tokenizer.decode(ids, skip_special_tokens=True),
+            engine.teacher_forced_logits(pre, ids),
+        )
     ref_logits, ref_ids, ref_text, ref_tf = reference
+    t0 = time.perf_counter()
     ids = view.greedy_answer(pre, max_new_tokens)
+    if ids:
+        rec.decode_tokens_per_s = len(ids) / (time.perf_counter() - t0)
     rec.answer = engine.tokenizer.decode(ids, skip_special_tokens=True)
     rec.f1 = best_f1(rec.answer, case.answers)
     rec.agrees = normalize_answer(rec.answer) == normalize_answer(ref_text)
@@ -124,6 +134,9 @@ def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, 
             "first_token_kl_mean": _mean([r.first_token_kl for r in recs]),
             "answer_kl_mean": _mean([r.answer_kl for r in recs]),
             "recomputed_fraction_mean": _mean([r.recomputed_fraction for r in recs]),
+            "decode_tokens_per_s": _median(
+                [r.decode_tokens_per_s for r in recs if not math.isnan(r.decode_tokens_per_s)]
+            ),
             "n": len(recs),
         }
     ref = records[ref_name]
@@ -133,9 +146,7 @@ def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, 
             continue
         ratios = [_median(a.ttft_ms) / _median(b.ttft_ms) for a, b in zip(ref, recs)]
         speedup[name] = _median(ratios)
-    answers = [
-        {name: recs[i].answer for name, recs in records.items()} for i in range(n)
-    ]
+    answers = [{name: recs[i].answer for name, recs in records.items()} for i in range(n)]
     return {
         "modes": modes,
         "speedup_vs_full": speedup,
