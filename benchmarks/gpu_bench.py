@@ -40,7 +40,6 @@ import platform
 import random
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from ragblend.bench.harness import mean, median, sync
 from ragblend.config import BlendConfig
 from ragblend.engine import BlendEngine
 from ragblend.prompt import TokenizedPrompt
@@ -114,19 +114,6 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int)
 
 
 # ---------------------------------------------------------------------- helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median(xs) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def mean(xs) -> float:
-    return float(statistics.fmean(xs)) if xs else float("nan")
-
-
 def percentile(xs, q: float) -> float:
     if not xs:
         return float("nan")

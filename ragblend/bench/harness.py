@@ -36,11 +36,18 @@ class Record:
     decode_tokens_per_s: float = float("nan")
 
 
-def _median(xs: Sequence[float]) -> float:
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued kernels (CUDA is asynchronous), so a timer sees them."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def _mean(xs: Sequence[float]) -> float:
+def mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs)) if xs else float("nan")
 
 
@@ -125,16 +132,16 @@ def _score(engine, view, variant, pre, case, rec: Record, reference, max_new_tok
 def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, n: int) -> dict:
     modes = {}
     for name, recs in records.items():
-        ttfts = [_median(r.ttft_ms) for r in recs]
+        ttfts = [median(r.ttft_ms) for r in recs]
         modes[name] = {
-            "ttft_ms_median": _median(ttfts),
-            "ttft_ms_mean": _mean(ttfts),
-            "f1": _mean([r.f1 for r in recs]),
-            "agreement_with_full": _mean([float(r.agrees) for r in recs]),
-            "first_token_kl_mean": _mean([r.first_token_kl for r in recs]),
-            "answer_kl_mean": _mean([r.answer_kl for r in recs]),
-            "recomputed_fraction_mean": _mean([r.recomputed_fraction for r in recs]),
-            "decode_tokens_per_s": _median(
+            "ttft_ms_median": median(ttfts),
+            "ttft_ms_mean": mean(ttfts),
+            "f1": mean([r.f1 for r in recs]),
+            "agreement_with_full": mean([float(r.agrees) for r in recs]),
+            "first_token_kl_mean": mean([r.first_token_kl for r in recs]),
+            "answer_kl_mean": mean([r.answer_kl for r in recs]),
+            "recomputed_fraction_mean": mean([r.recomputed_fraction for r in recs]),
+            "decode_tokens_per_s": median(
                 [r.decode_tokens_per_s for r in recs if not math.isnan(r.decode_tokens_per_s)]
             ),
             "n": len(recs),
@@ -144,8 +151,8 @@ def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, 
     for name, recs in records.items():
         if name == ref_name:
             continue
-        ratios = [_median(a.ttft_ms) / _median(b.ttft_ms) for a, b in zip(ref, recs)]
-        speedup[name] = _median(ratios)
+        ratios = [median(a.ttft_ms) / median(b.ttft_ms) for a, b in zip(ref, recs)]
+        speedup[name] = median(ratios)
     answers = [{name: recs[i].answer for name, recs in records.items()} for i in range(n)]
     return {
         "modes": modes,
