@@ -13,8 +13,12 @@ def tiny_config(family: str, **overrides):
     """A 3-layer GQA config of the family, sharing the embedded tokenizer's vocabulary."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-           "qwen3": Qwen3Config}[family]
+    cls = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }[family]
     kwargs = dict(
         vocab_size=49152,
         hidden_size=64,
@@ -53,11 +57,16 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return entry.keys, entry.values
 
 
-def assert_matches_hf(out, ref, layers, atol: float, rtol: float = 0.0,
-                      logits_atol: float | None = None) -> None:
+def assert_matches_hf(
+    out, ref, layers, atol: float, rtol: float = 0.0, logits_atol: float | None = None
+) -> None:
     """A prefill's last-token logits and the given layers' K/V equal HF's forward ``ref``."""
-    torch.testing.assert_close(out.logits, ref.logits[0, -1].float(),
-                               atol=atol if logits_atol is None else logits_atol, rtol=0)
+    torch.testing.assert_close(
+        out.logits,
+        ref.logits[0, -1].float(),
+        atol=atol if logits_atol is None else logits_atol,
+        rtol=0,
+    )
     for layer in layers:
         k, v = layer_kv(out.cache, layer)
         k_ref, v_ref = layer_kv(ref.past_key_values, layer)

@@ -100,9 +100,7 @@ def test_fallback_runs_a_full_prefill(engine):
     assert torch.equal(got.logits, want.logits)
 
 
-def test_profile_is_measured_once_and_cached_per_model_and_device(
-    engine, tmp_path, monkeypatch
-):
+def test_profile_is_measured_once_and_cached_per_model_and_device(engine, tmp_path, monkeypatch):
     monkeypatch.setattr(ctl, "profile_path", lambda fp, dev: tmp_path / f"{fp[:16]}-{dev}.json")
     monkeypatch.setattr(ctl, "measure_disk_bandwidth", lambda path, device: 3e9)
     engine.store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)

@@ -48,10 +48,17 @@ def test_not_a_model_directory_is_a_clear_error(tmp_path):
         load_model(tmp_path / "nope")
 
 
-@pytest.mark.parametrize("bad", [{"ratio": 1.5}, {"mode": "fast"}, {"check_layers": ()},
-                                 {"check_layers": (1, 2), "check_scales": (2.0,)},
-                                 {"selector": "nope"},
-                                 {"check_layers": (1, 2), "check_scales": (1.0, 2.0)}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ratio": 1.5},
+        {"mode": "fast"},
+        {"check_layers": ()},
+        {"check_layers": (1, 2), "check_scales": (2.0,)},
+        {"selector": "nope"},
+        {"check_layers": (1, 2), "check_scales": (1.0, 2.0)},
+    ],
+)
 def test_bad_config_is_a_clear_error(bad, tokenizer):
     with pytest.raises(RagblendError):
         BlendEngine(tiny_model("llama"), tokenizer, BlendConfig(**bad))
@@ -64,7 +71,8 @@ def test_stream_yields_the_same_text_as_generate(engine):
     assert text == result.text == stream.result.text
     assert stream.result.stats.completion_tokens == len(result.token_ids) <= 10
     assert result.stats.ttft_ms > 0 and result.stats.prompt_tokens == len(
-        engine.tokenize(QUESTION, CHUNKS))
+        engine.tokenize(QUESTION, CHUNKS)
+    )
 
 
 def test_sampling_is_reproducible_with_a_seed_and_respects_max_new_tokens(engine):
@@ -77,7 +85,8 @@ def test_sampling_is_reproducible_with_a_seed_and_respects_max_new_tokens(engine
 @pytest.mark.slow
 def test_generation_stops_at_eos(embedded_engine):
     result = embedded_engine.generate_chat(
-        [{"role": "user", "content": "Say hello."}], max_new_tokens=60)
+        [{"role": "user", "content": "Say hello."}], max_new_tokens=60
+    )
     assert result.stats.finish_reason == "stop"
     assert not set(result.token_ids) & embedded_engine.eos_ids
 
@@ -115,10 +124,12 @@ def test_the_default_check_layers_are_cut_to_a_shallow_models_depth(tokenizer):
 def test_from_pretrained_applies_overrides_onto_the_given_config(monkeypatch, tokenizer):
     import ragblend.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "load_model",
-                        lambda *a, **k: (tiny_model("llama"), tokenizer))
+    monkeypatch.setattr(
+        engine_module, "load_model", lambda *a, **k: (tiny_model("llama"), tokenizer)
+    )
     engine = BlendEngine.from_pretrained(
-        "embedded", config=BlendConfig(namespace="t1", check_layers=(0, 1)), ratio=0.3)
+        "embedded", config=BlendConfig(namespace="t1", check_layers=(0, 1)), ratio=0.3
+    )
     assert engine.config.ratio == 0.3
     assert engine.config.namespace == "t1" and engine.config.check_layers == (0, 1)
 
@@ -143,8 +154,13 @@ def test_engine_chunk_keys_are_keyword_only_like_the_store_keys(engine):
 
     context, chunk = engine.prompt_head(), [5, 6, 7]
     assert engine.chunk_key(context_ids=context, chunk_ids=chunk) == chunk_key(
-        fingerprint=engine.fingerprint, dtype=engine.layers.dtype, kv_dtype=engine.kv_dtype,
-        namespace=None, context_ids=context, chunk_ids=chunk)
+        fingerprint=engine.fingerprint,
+        dtype=engine.layers.dtype,
+        kv_dtype=engine.kv_dtype,
+        namespace=None,
+        context_ids=context,
+        chunk_ids=chunk,
+    )
     with pytest.raises(TypeError):
         engine.chunk_key(chunk, context)
 
@@ -166,7 +182,8 @@ def test_a_running_stream_holds_the_engine_until_closed_and_others_wait(engine):
     assert engine._lock.locked()
     order: list[str] = []
     other = threading.Thread(
-        target=lambda: order.append(engine.generate(QUESTION, CHUNKS, max_new_tokens=2) and "b"))
+        target=lambda: order.append(engine.generate(QUESTION, CHUNKS, max_new_tokens=2) and "b")
+    )
     other.start()
     order.append("a")
     stream.close()
