@@ -20,14 +20,15 @@ from ragblend.generation import (
     BlendResult,
     BlendStats,
     BlendStream,
+    Decoder,
     Prefill,
     SamplingParams,
     decode_tokens,
-    text_deltas,
+    teacher_forced_logits,
 )
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.loading import load_model
-from ragblend.prompt import PromptFormat, TokenizedPrompt, encode
+from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
 from ragblend.store.memory import MemoryStore
@@ -341,30 +342,13 @@ class BlendEngine:
         if isinstance(prompt, list):
             self._check_length(len(prompt))
 
-        def run(stream: BlendStream) -> Iterator[str]:
-            with self._lock:  # held until the stream is exhausted, closed or collected
-                t0 = time.perf_counter()
-                if isinstance(prompt, list):
-                    pre = self.full_prefill(prompt)
-                    pre.stats.ttft_ms = (time.perf_counter() - t0) * 1000
-                else:
-                    pre = self._prefill(prompt, mode, ratio)
-                if started is not None:
-                    pre.stats.ttft_ms = (time.perf_counter() - started) * 1000
-                t0 = time.perf_counter()
-                tokens: list[int] = []
-                try:
-                    ids = decode_tokens(self.model, pre, params, max_new, self.eos_ids)
-                    yield from text_deltas(self.tokenizer, ids, tokens)
-                except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)
-                    pre.stats.finish_reason = "stop"
-                    raise
-                finally:
-                    pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
-                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                    stream.result = BlendResult(text=text, token_ids=tokens, stats=pre.stats)
+        def prefill() -> Prefill:
+            if isinstance(prompt, list):
+                return self.full_prefill(prompt)
+            return self._prefill(prompt, mode, ratio)
 
-        return BlendStream(run)
+        decode = Decoder(self.model, self.tokenizer, self.eos_ids, params, max_new)
+        return decode.stream(prefill, self._lock, started)
 
     def generate(
         self,
@@ -386,13 +370,7 @@ class BlendEngine:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of chat messages with the generation prompt (for plain, chunk-less use)."""
-        if getattr(self.tokenizer, "chat_template", None):
-            enc = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
-            )
-            return list(enc["input_ids"])
-        text = "\n\n".join(m["content"] for m in messages) + "\n"
-        return encode(self.tokenizer, text)
+        return chat_ids(self.tokenizer, messages)
 
     def generate_chat(self, messages: list[dict], **sampling) -> BlendResult:
         """Ordinary chat completion (full prefill), for requests that carry no chunks."""
@@ -410,16 +388,7 @@ class BlendEngine:
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
-        rows = [prefill.logits.view(1, -1)]
-        if len(answer_ids) > 1:
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=torch.tensor([answer_ids[:-1]], device=self.layers.device),
-                    past_key_values=copy.deepcopy(prefill.cache),
-                    use_cache=True,
-                )
-            rows.append(out.logits[0].float())
-        return torch.cat(rows, dim=0)
+        return teacher_forced_logits(self.model, prefill, answer_ids)
 
 
 def _fall_back(stats: BlendStats, reason: str) -> None:

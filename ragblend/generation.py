@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -131,8 +133,8 @@ def decode_cache(model: torch.nn.Module, prompt_cache, total_len: int):
 
     Where every layer can hold ``total_len`` tokens (full attention, or a sliding window no
     shorter than that), a preallocated ``StaticCache``: new tokens are written in place and the
-    prompt cache is left as it is. Otherwise (a window shorter than the sequence) a deep copy
-    that grows as before.
+    prompt cache is left as it is. Otherwise (a window shorter than the sequence, or more
+    tokens than the model's positions) a deep copy that grows as before.
     """
     from transformers import StaticCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -143,7 +145,8 @@ def decode_cache(model: torch.nn.Module, prompt_cache, total_len: int):
         return type(layer) is DynamicSlidingWindowLayer and total_len <= layer.sliding_window
 
     layers = getattr(prompt_cache, "layers", None)
-    if not layers or not all(fits(layer) for layer in layers):
+    window = getattr(model.config, "max_position_embeddings", None) or total_len
+    if not layers or total_len > window or not all(fits(layer) for layer in layers):
         return copy.deepcopy(prompt_cache)
     static = StaticCache(config=model.config, max_cache_len=total_len)
     for index, layer in enumerate(layers):
@@ -246,3 +249,61 @@ def text_deltas(tokenizer, tokens: Iterator[int], out: list[int]) -> Iterator[st
     final = tokenizer.decode(out, skip_special_tokens=True)
     if len(final) > len(text):
         yield final[len(text) :]
+
+
+class Decoder:
+    """Turns a prefill into a :class:`BlendStream` of text (one request's decoding setup)."""
+
+    def __init__(
+        self, model, tokenizer, eos_ids: set[int], params: SamplingParams, max_new_tokens: int
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+
+    def stream(
+        self, prefill: Callable[[], Prefill], lock: threading.Lock, started: float | None = None
+    ) -> BlendStream:
+        """A stream that, from its first step, holds ``lock``, runs ``prefill()`` and decodes;
+        the lock is released when the stream is exhausted, closed or garbage-collected.
+        ``started`` (a perf_counter value) backdates TTFT, e.g. to include tokenisation."""
+
+        def run(stream: BlendStream) -> Iterator[str]:
+            with lock:
+                t0 = time.perf_counter()
+                pre = prefill()
+                pre.stats.ttft_ms = (time.perf_counter() - (started or t0)) * 1000
+                t0 = time.perf_counter()
+                tokens: list[int] = []
+                try:
+                    ids = decode_tokens(
+                        self.model, pre, self.params, self.max_new_tokens, self.eos_ids
+                    )
+                    yield from text_deltas(self.tokenizer, ids, tokens)
+                except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)
+                    pre.stats.finish_reason = "stop"
+                    raise
+                finally:
+                    pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    stream.result = BlendResult(text=text, token_ids=tokens, stats=pre.stats)
+
+        return BlendStream(run)
+
+
+def teacher_forced_logits(
+    model: torch.nn.Module, prefill: Prefill, answer_ids: list[int]
+) -> torch.Tensor:
+    """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
+    rows = [prefill.logits.view(1, -1)]
+    if len(answer_ids) > 1:
+        with torch.inference_mode():
+            out = model(
+                input_ids=torch.tensor([answer_ids[:-1]], device=prefill.logits.device),
+                past_key_values=copy.deepcopy(prefill.cache),
+                use_cache=True,
+            )
+        rows.append(out.logits[0].float())
+    return torch.cat(rows, dim=0)
