@@ -113,7 +113,11 @@ class BlendEngine:
         else:
             view.selector = make_selector(view.config)
         view.chunks = ChunkCache(
-            self.layers, self.tokenizer, view.config, store or self.store, self.fingerprint
+            self.layers,
+            self.tokenizer,
+            view.config,
+            self.store if store is None else store,
+            self.fingerprint,
         )
         if store is not None or controller is not None:
             view.controller = controller
