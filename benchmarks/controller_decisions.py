@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from dataclasses import asdict
 
 from ragblend import BlendEngine
 from ragblend.controller import LoadingController
@@ -25,7 +26,7 @@ def main() -> None:
         store = make_store(tier, path=tempfile.mkdtemp(prefix="ragblend-ctl-"))
         engine = BlendEngine.from_pretrained(args.model, store=store)
         controller = LoadingController.for_engine(engine, refresh=True)
-        decisions[tier] = [controller.decide(n) for n in args.tokens]
+        decisions[tier] = [asdict(controller.decide(n)) for n in args.tokens]
         for d in decisions[tier]:
             print(
                 f"{tier:>4}  L={d['n_tokens']:>5}  ratio={d['ratio']:.3f} (r*={d['r_star']}, "

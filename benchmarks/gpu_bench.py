@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -711,7 +711,7 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
             probe = view_for(engine, stores[tier])
             controllers[tier] = LoadingController.for_engine(probe, refresh=(i == 0))
             decisions[tier] = {
-                name: controllers[tier].decide(len(p)) for name, p in prompts.items()
+                name: asdict(controllers[tier].decide(len(p))) for name, p in prompts.items()
             }
         if controllers:
             prof = next(iter(controllers.values())).profile

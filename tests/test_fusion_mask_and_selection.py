@@ -91,7 +91,7 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
     for noise in (0.0, 5.0):
         segs = segments(noise)
         results.append(
-            fuse(engine.layers, segs, engine._loader(segs), [(0, 0.3)], EarlyFirstSelector())
+            fuse(engine.layers, segs, engine.chunks.loader(segs), [(0, 0.3)], EarlyFirstSelector())
         )
     clean, noisy = results
     assert torch.equal(clean.selected, noisy.selected)
