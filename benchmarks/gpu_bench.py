@@ -40,16 +40,16 @@ import platform
 import random
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ragblend.bench.harness import mean, median, sync
 from ragblend.config import BlendConfig
 from ragblend.engine import BlendEngine
 from ragblend.prompt import TokenizedPrompt
@@ -60,30 +60,71 @@ from ragblend.store.memory import MemoryStore
 # ---------------------------------------------------------------------- model shapes
 SHAPES: dict[str, dict] = {
     "mistral-7b": dict(  # Mistral-7B-v0.2 (no sliding window, rope theta 1e6)
-        family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e6,
-        sliding_window=None, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        family="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        rope_theta=1e6,
+        sliding_window=None,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     ),
     "llama3-8b": dict(  # Llama-3-8B
-        family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=128000,
-        eos_token_id=128001, tie_word_embeddings=False,
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        tie_word_embeddings=False,
     ),
     "tiny": dict(  # Mistral-shaped smoke-test model (runs on a CPU in seconds)
-        family="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, rope_theta=1e6,
-        sliding_window=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        family="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        rope_theta=1e6,
+        sliding_window=None,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     ),
 }
 
 # Defaults that depend on whether the run is a real one or the tiny smoke test.
-FULL_DEFAULTS = dict(layouts="6x512,12x512,6x1024", head_tokens=48, question_tokens=32,
-                     rate_requests=40, num_rates=8, attn_keys="3072,6144")
-TINY_DEFAULTS = dict(layouts="3x48,2x96", head_tokens=16, question_tokens=8,
-                     rate_requests=4, num_rates=3, attn_keys="256")
+FULL_DEFAULTS = dict(
+    layouts="6x512,12x512,6x1024",
+    head_tokens=48,
+    question_tokens=32,
+    rate_requests=40,
+    num_rates=8,
+    attn_keys="3072,6144",
+)
+TINY_DEFAULTS = dict(
+    layouts="3x48,2x96",
+    head_tokens=16,
+    question_tokens=8,
+    rate_requests=4,
+    num_rates=3,
+    attn_keys="256",
+)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -114,19 +155,6 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int)
 
 
 # ---------------------------------------------------------------------- helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median(xs) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def mean(xs) -> float:
-    return float(statistics.fmean(xs)) if xs else float("nan")
-
-
 def percentile(xs, q: float) -> float:
     if not xs:
         return float("nan")
@@ -177,7 +205,10 @@ def environment(device: torch.device) -> dict:
     }
     try:
         env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
             cwd=Path(__file__).resolve().parent,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -202,11 +233,17 @@ def nvidia_smi() -> str | None:
     """Name, driver, clocks, power and temperature from ``nvidia-smi`` (None without it)."""
     if not shutil.which("nvidia-smi"):
         return None
-    query = ("name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,"
-             "power.draw,power.limit,temperature.gpu,memory.total,persistence_mode")
+    query = (
+        "name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,"
+        "power.draw,power.limit,temperature.gpu,memory.total,persistence_mode"
+    )
     try:
-        res = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"],
-                             capture_output=True, text=True, timeout=30)
+        res = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return res.stdout.strip() or res.stderr.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         return f"failed: {exc}"
@@ -222,8 +259,15 @@ def filesystem_of(path: Path) -> str | None:
     target = str(path.resolve())
     for line in mounts:
         parts = line.split()
-        if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")
-                                or parts[1] == "/") and len(parts[1]) >= len(best):
+        if (
+            len(parts) >= 3
+            and (
+                target == parts[1]
+                or target.startswith(parts[1].rstrip("/") + "/")
+                or parts[1] == "/"
+            )
+            and len(parts[1]) >= len(best)
+        ):
             best, kind = parts[1], parts[2]
     return kind
 
@@ -234,8 +278,13 @@ def pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return t.pin_memory() if pin else t
 
 
-def tier_stores(master: MemoryStore, tiers: list[str], device: torch.device, store_root: Path,
-                ram_prefetch: int = 0):
+def tier_stores(
+    master: MemoryStore,
+    tiers: list[str],
+    device: torch.device,
+    store_root: Path,
+    ram_prefetch: int = 0,
+):
     """Copies of every entry of ``master`` (device-resident) into each requested tier.
 
     The RAM tier has no prefetch by default (the engine's behaviour for a MemoryStore: layers
@@ -267,10 +316,7 @@ def tier_stores(master: MemoryStore, tiers: list[str], device: torch.device, sto
 
 
 def view_for(engine: BlendEngine, store, controller=None) -> BlendEngine:
-    view = engine.with_config()
-    view.store = store
-    view.controller = controller
-    return view
+    return engine.with_config(store=store, controller=controller)
 
 
 @dataclass
@@ -394,8 +440,9 @@ def rate_sweep(engine, view, pool, k, head, sep, args, vocab, device) -> dict:
     requests = []
     for _ in range(n):
         chunks = [pool[i] for i in rng.sample(range(len(pool)), k)]
-        requests.append(TokenizedPrompt(head, chunks, sep, random_ids(rng, args.question_tokens,
-                                                                       vocab)))
+        requests.append(
+            TokenizedPrompt(head, chunks, sep, random_ids(rng, args.question_tokens, vocab))
+        )
     ratio = args.rate_ratio
     # Warm up both modes, then calibrate each mode's unloaded service time.
     for mode, r in (("full", None), ("blend", ratio)):
@@ -403,8 +450,9 @@ def rate_sweep(engine, view, pool, k, head, sep, args, vocab, device) -> dict:
     calib = {}
     for mode, r in (("full", None), ("blend", ratio)):
         who = view if mode == "blend" else engine
-        calib[mode] = median([timed_prefill(who, p, mode, r, device)[0]
-                              for p in requests[: min(n, 5)]])
+        calib[mode] = median(
+            [timed_prefill(who, p, mode, r, device)[0] for p in requests[: min(n, 5)]]
+        )
     if args.rates == "auto":
         lo = 0.3 * 1000 / calib["full"]
         hi = max(1.2 * 1000 / min(calib.values()), 4 * lo)
@@ -423,9 +471,11 @@ def rate_sweep(engine, view, pool, k, head, sep, args, vocab, device) -> dict:
             who = view if mode == "blend" else engine
             point = simulate_fifo(who, requests, arrivals, mode, r, device)
             curves[mode].append({"rate": rate, **point})
-    targets = floats(args.ttft_targets_ms) if args.ttft_targets_ms else [
-        m * calib["full"] for m in (1.5, 2.0, 4.0)
-    ]
+    targets = (
+        floats(args.ttft_targets_ms)
+        if args.ttft_targets_ms
+        else [m * calib["full"] for m in (1.5, 2.0, 4.0)]
+    )
     equal = []
     for target in targets:
         row = {"target_mean_ttft_ms": target}
@@ -473,8 +523,10 @@ def attention_bench(args, device, dtype, heads, kv_heads, dim) -> dict:
             flex_note = f"unavailable: {type(exc).__name__}: {exc}"
     else:
         flex_note = "skipped: FlexAttention is measured on CUDA only (it needs torch.compile)"
-    cases = [attention_case(n, args, device, dtype, heads, kv_heads, dim, gen, flex)
-             for n in ints(args.attn_keys)]
+    cases = [
+        attention_case(n, args, device, dtype, heads, kv_heads, dim, gen, flex)
+        for n in ints(args.attn_keys)
+    ]
     return {"flex": flex_note or "measured", "ratio": args.attn_ratio, "cases": cases}
 
 
@@ -484,26 +536,34 @@ def attention_case(n_keys, args, device, dtype, heads, kv_heads, dim, gen, flex)
     from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 
     groups = heads // kv_heads
-    scaling = dim ** -0.5
+    scaling = dim**-0.5
     m = max(2, round(args.attn_ratio * n_keys))
     chosen = torch.randperm(n_keys - 1, generator=gen)[: m - 1].sort().values
     pos = torch.cat([chosen, torch.tensor([n_keys - 1])]).to(device)
     q = torch.randn(1, heads, m, dim, generator=gen).to(device, dtype)
     k = torch.randn(1, kv_heads, n_keys, dim, generator=gen).to(device, dtype)
     v = torch.randn(1, kv_heads, n_keys, dim, generator=gen).to(device, dtype)
-    case = {"keys": n_keys, "rows": m, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-            "dtype": str(dtype).replace("torch.", "")}
+    case = {
+        "keys": n_keys,
+        "rows": m,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
     # Reference: dense fp32 attention with the exact position mask.
     kf = k.float().repeat_interleave(groups, dim=1)
     vf = v.float().repeat_interleave(groups, dim=1)
-    ref = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=position_mask(pos, n_keys),
-                                         scale=scaling)
+    ref = F.scaled_dot_product_attention(
+        q.float(), kf, vf, attn_mask=position_mask(pos, n_keys), scale=scaling
+    )
     ref = ref.transpose(1, 2).reshape(1, m, heads * dim)
     del kf, vf
     # The fusor's path: a plan (built once per selection) + blocked SDPA (on every layer).
     iters = args.attn_iters
-    case["sdpa_blocks_plan_ms"] = _bench(lambda: RowAttentionPlan(pos, groups, dtype, None),
-                                         device, iters)
+    case["sdpa_blocks_plan_ms"] = _bench(
+        lambda: RowAttentionPlan(pos, groups, dtype, None), device, iters
+    )
     plan = RowAttentionPlan(pos, groups, dtype, None)
     case["sdpa_blocks_blocks"] = len(plan.blocks)
     case["sdpa_blocks_ms"] = _bench(lambda: attend_rows(q, k, v, plan, scaling), device, iters)
@@ -512,8 +572,12 @@ def attention_case(n_keys, args, device, dtype, heads, kv_heads, dim, gen, flex)
     # Context: full causal self-attention of all N rows (what a full prefill pays per layer).
     qn = torch.randn(1, heads, n_keys, dim, generator=gen).to(device, dtype)
     case["full_causal_sdpa_ms"] = _bench(
-        lambda: F.scaled_dot_product_attention(qn, k, v, is_causal=True, scale=scaling,
-                                               enable_gqa=True), device, iters)
+        lambda: F.scaled_dot_product_attention(
+            qn, k, v, is_causal=True, scale=scaling, enable_gqa=True
+        ),
+        device,
+        iters,
+    )
     if flex is None:
         return case
     flex_attention, create_block_mask = flex
@@ -533,7 +597,9 @@ def attention_case(n_keys, args, device, dtype, heads, kv_heads, dim, gen, flex)
         case["flex_block_mask_ms"] = _bench(block_mask, device, iters)
         case["flex_ms"] = _bench(
             lambda: flex_attention(q, k, v, block_mask=bm, scale=scaling, enable_gqa=True),
-            device, iters)
+            device,
+            iters,
+        )
         fo = fq.transpose(1, 2).reshape(1, m, heads * dim)
         case["flex_max_abs_err"] = float((fo.float() - ref).abs().max())
         case["flex_speedup_vs_sdpa_blocks"] = case["sdpa_blocks_ms"] / case["flex_ms"]
@@ -553,8 +619,13 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
     cfg = model.config
     vocab = int(cfg.vocab_size)
     master = MemoryStore(1 << 40)
-    engine = BlendEngine(model, IdTokenizer(), BlendConfig(device=str(device), dtype=args.dtype),
-                         store=master, name=f"{shape} (random weights)")
+    engine = BlendEngine(
+        model,
+        IdTokenizer(),
+        BlendConfig(device=str(device), dtype=args.dtype),
+        store=master,
+        name=f"{shape} (random weights)",
+    )
     lay = engine.layers
     info = {
         "shape": shape,
@@ -564,13 +635,18 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
         "attn_implementation": getattr(cfg, "_attn_implementation", None),
         "kv_bytes_per_token": lay.kv_bytes_per_token(),
         "build_s": build_s,
-        "blend_config": {"check_layers": list(engine.config.check_layers),
-                         "check_scales": list(engine.config.check_scales or []),
-                         "selector": engine.config.selector,
-                         "precompute_context": engine.config.precompute_context},
+        "blend_config": {
+            "check_layers": list(engine.config.check_layers),
+            "check_scales": list(engine.config.check_scales or []),
+            "selector": engine.config.selector,
+            "precompute_context": engine.config.precompute_context,
+        },
     }
-    print(f"[{shape}] built in {build_s:.1f}s: {info['parameters'] / 1e6:.1f}M params, "
-          f"{info['kv_bytes_per_token']} KV bytes/token", flush=True)
+    print(
+        f"[{shape}] built in {build_s:.1f}s: {info['parameters'] / 1e6:.1f}M params, "
+        f"{info['kv_bytes_per_token']} KV bytes/token",
+        flush=True,
+    )
 
     rng = random.Random(args.seed)
     head = [int(cfg.bos_token_id)] + random_ids(rng, args.head_tokens - 1, vocab)
@@ -580,8 +656,9 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
     t0 = time.perf_counter()
     for k, n in layouts:
         chunks = [random_ids(rng, n, vocab) for _ in range(k)]
-        prompts[f"{k}x{n}"] = TokenizedPrompt(head, chunks, sep,
-                                              random_ids(rng, args.question_tokens, vocab))
+        prompts[f"{k}x{n}"] = TokenizedPrompt(
+            head, chunks, sep, random_ids(rng, args.question_tokens, vocab)
+        )
         for c in chunks:
             engine.precompute_ids(c, head)
     rate_k, rate_n = parse_layouts(args.rate_layout)[0] if args.rate_layout else layouts[0]
@@ -592,8 +669,9 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
             engine.precompute_ids(c, head)
     sync(device)
     info["precompute_s"] = time.perf_counter() - t0
-    print(f"[{shape}] precomputed {len(master)} KV entries in {info['precompute_s']:.1f}s",
-          flush=True)
+    print(
+        f"[{shape}] precomputed {len(master)} KV entries in {info['precompute_s']:.1f}s", flush=True
+    )
 
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     rate_tier = args.rate_tier
@@ -609,17 +687,21 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
         t0 = time.perf_counter()
         stores = tier_stores(master, wanted, device, store_root, args.ram_prefetch)
         info["store_fill_s"] = time.perf_counter() - t0
-        print(f"[{shape}] filled tiers {', '.join(wanted)} in {info['store_fill_s']:.1f}s",
-              flush=True)
+        print(
+            f"[{shape}] filled tiers {', '.join(wanted)} in {info['store_fill_s']:.1f}s", flush=True
+        )
         if "device" not in wanted:
             master.clear()  # the GPU copies are no longer needed
-        engine.store = stores[tiers[0]] if tiers else master
+        engine = engine.with_config(store=stores[tiers[0]] if tiers else master)
         info["tiers"] = tiers
         info["store_path"] = str(store_root)
         info["store_filesystem"] = filesystem_of(store_root)
         if "disk" in stores and info["store_filesystem"] in ("tmpfs", "ramfs"):
-            print(f"warning: the disk tier {store_root} is on {info['store_filesystem']} (RAM); "
-                  "pass --store-path on a real disk for cold-read numbers", flush=True)
+            print(
+                f"warning: the disk tier {store_root} is on {info['store_filesystem']} (RAM); "
+                "pass --store-path on a real disk for cold-read numbers",
+                flush=True,
+            )
         if "disk" in stores:
             info["drop_page_cache_supported"] = bool(stores["disk"].drop_page_cache())
 
@@ -628,16 +710,18 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
         for i, tier in enumerate(t for t in tiers if t in ("ram", "disk", "device")):
             probe = view_for(engine, stores[tier])
             controllers[tier] = LoadingController.for_engine(probe, refresh=(i == 0))
-            decisions[tier] = {name: controllers[tier].decide(len(p))
-                               for name, p in prompts.items()}
+            decisions[tier] = {
+                name: asdict(controllers[tier].decide(len(p))) for name, p in prompts.items()
+            }
         if controllers:
             prof = next(iter(controllers.values())).profile
             info["controller_profile"] = {
                 "prefill_ms_fixed": prof.prefill_ms_fixed,
                 "prefill_ms_per_token": prof.prefill_ms_per_token,
                 "bytes_per_token": prof.bytes_per_token,
-                "bandwidth_bytes_per_s": {t: c.profile.bandwidth.get(c.tier)
-                                          for t, c in controllers.items()},
+                "bandwidth_bytes_per_s": {
+                    t: c.profile.bandwidth.get(c.tier) for t, c in controllers.items()
+                },
             }
         info["controller"] = decisions
 
@@ -650,16 +734,18 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
             res = layout_sweep(engine, views, prompt, variants, args.repeats, args.warmup, device)
             k, n = parse_layouts(name)[0]
             info["layouts"][name] = {
-                "chunks": k, "chunk_tokens": n, "prompt_tokens": len(prompt),
+                "chunks": k,
+                "chunk_tokens": n,
+                "prompt_tokens": len(prompt),
                 "kv_bytes_loaded": k * n * lay.kv_bytes_per_token(),
-                "seconds": time.perf_counter() - t0, "variants": res,
+                "seconds": time.perf_counter() - t0,
+                "variants": res,
             }
             print_layout(shape, name, len(prompt), res)
 
         if not args.skip_rates:
             t0 = time.perf_counter()
-            rs = rate_sweep(engine, views[rate_tier], pool, rate_k, head, sep, args, vocab,
-                            device)
+            rs = rate_sweep(engine, views[rate_tier], pool, rate_k, head, sep, args, vocab, device)
             rs["layout"] = f"{rate_k}x{rate_n}"
             rs["tier"] = rate_tier
             rs["seconds"] = time.perf_counter() - t0
@@ -687,21 +773,28 @@ def print_layout(shape: str, name: str, n_tokens: int, res: dict) -> None:
     print(f"\n[{shape}] layout {name} ({n_tokens} prompt tokens)", flush=True)
     print(f"  {'variant':<26}{'TTFT ms':>10}{'speedup':>9}{'recomp':>8}{'load ms':>9}")
     for vname, r in res.items():
-        print(f"  {vname:<26}{r['ttft_ms_median']:>10.1f}{r['speedup_vs_full']:>9.2f}"
-              f"{r['recomputed_fraction']:>8.3f}{r['load_ms_last']:>9.1f}")
+        print(
+            f"  {vname:<26}{r['ttft_ms_median']:>10.1f}{r['speedup_vs_full']:>9.2f}"
+            f"{r['recomputed_fraction']:>8.3f}{r['load_ms_last']:>9.1f}"
+        )
 
 
 def print_rates(shape: str, rs: dict) -> None:
-    print(f"\n[{shape}] request-rate sweep ({rs['layout']}, {rs['tier']} tier, blend "
-          f"r={rs['ratio']}, {rs['requests_per_rate']} requests/rate)", flush=True)
+    print(
+        f"\n[{shape}] request-rate sweep ({rs['layout']}, {rs['tier']} tier, blend "
+        f"r={rs['ratio']}, {rs['requests_per_rate']} requests/rate)",
+        flush=True,
+    )
     print(f"  {'rate/s':>8}{'full mean TTFT':>16}{'blend mean TTFT':>17}")
     for f, b in zip(rs["curves"]["full"], rs["curves"]["blend"]):
         print(f"  {f['rate']:>8.2f}{f['mean_ttft_ms']:>16.1f}{b['mean_ttft_ms']:>17.1f}")
     for row in rs["throughput_at_equal_mean_ttft"]:
         ratio = row["throughput_ratio_blend_over_full"]
-        print(f"  at mean TTFT ≤ {row['target_mean_ttft_ms']:.0f} ms: full "
-              f"{row['full']['rate']:.2f}/s, blend {row['blend']['rate']:.2f}/s"
-              + (f" ({ratio:.2f}×)" if ratio else ""))
+        print(
+            f"  at mean TTFT ≤ {row['target_mean_ttft_ms']:.0f} ms: full "
+            f"{row['full']['rate']:.2f}/s, blend {row['blend']['rate']:.2f}/s"
+            + (f" ({ratio:.2f}×)" if ratio else "")
+        )
 
 
 def plot_shape(info: dict, out: Path) -> None:
@@ -713,33 +806,47 @@ def plot_shape(info: dict, out: Path) -> None:
     shape = info["shape"]
     layouts = info.get("layouts", {})
     if layouts:
-        fig, axes = plt.subplots(1, len(layouts), figsize=(5.5 * len(layouts), 4.5),
-                                 squeeze=False)
+        fig, axes = plt.subplots(1, len(layouts), figsize=(5.5 * len(layouts), 4.5), squeeze=False)
         for ax, (name, lay) in zip(axes[0], layouts.items()):
             res = lay["variants"]
             tiers = sorted({r["tier"] for r in res.values() if r["tier"]})
             for i, tier in enumerate(tiers):
                 color = f"C{i}"
-                pts = sorted((r["ratio"], r["ttft_ms_median"]) for r in res.values()
-                             if r["tier"] == tier and r["mode"] == "blend"
-                             and isinstance(r["ratio"], float))
-                reuse = [r["ttft_ms_median"] for r in res.values()
-                         if r["tier"] == tier and r["mode"] == "reuse"]
+                pts = sorted(
+                    (r["ratio"], r["ttft_ms_median"])
+                    for r in res.values()
+                    if r["tier"] == tier and r["mode"] == "blend" and isinstance(r["ratio"], float)
+                )
+                reuse = [
+                    r["ttft_ms_median"]
+                    for r in res.values()
+                    if r["tier"] == tier and r["mode"] == "reuse"
+                ]
                 xs = ([0.0] if reuse else []) + [p[0] for p in pts]
                 ys = reuse + [p[1] for p in pts]
                 ax.plot(xs, ys, "o-", color=color, label=f"reuse→blend [{tier}]")
                 for r in res.values():
                     if r["tier"] == tier and r["mode"] == "prefix":
-                        ax.axhline(r["ttft_ms_median"], color=color, ls=":",
-                                   label=f"prefix [{tier}]")
+                        ax.axhline(
+                            r["ttft_ms_median"], color=color, ls=":", label=f"prefix [{tier}]"
+                        )
                     if r["tier"] == tier and r["ratio"] == "auto":
                         x = r["effective_ratio"] or 1.0
-                        ax.scatter([x], [r["ttft_ms_median"]], marker="*", s=120, color=color,
-                                   label=f"blend auto [{tier}]")
+                        ax.scatter(
+                            [x],
+                            [r["ttft_ms_median"]],
+                            marker="*",
+                            s=120,
+                            color=color,
+                            label=f"blend auto [{tier}]",
+                        )
             if "full" in res:
                 ax.axhline(res["full"]["ttft_ms_median"], color="k", ls="--", label="full")
-            ax.set(title=f"{shape} · {name} ({lay['prompt_tokens']} tok)",
-                   xlabel="recompute ratio (0 = reuse)", ylabel="TTFT median (ms)")
+            ax.set(
+                title=f"{shape} · {name} ({lay['prompt_tokens']} tok)",
+                xlabel="recompute ratio (0 = reuse)",
+                ylabel="TTFT median (ms)",
+            )
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -752,13 +859,16 @@ def plot_shape(info: dict, out: Path) -> None:
         for mode, style in (("full", "s--"), ("blend", "o-")):
             pts = rs["curves"][mode]
             label = mode if mode == "full" else f"blend r={rs['ratio']}"
-            ax.plot([p["rate"] for p in pts], [p["mean_ttft_ms"] for p in pts], style,
-                    label=label)
+            ax.plot([p["rate"] for p in pts], [p["mean_ttft_ms"] for p in pts], style, label=label)
         for row in rs["throughput_at_equal_mean_ttft"]:
             ax.axhline(row["target_mean_ttft_ms"], color="grey", ls=":", lw=0.8)
-        ax.set(xlabel="request rate (requests/s, Poisson)", ylabel="mean TTFT (ms)",
-               title=f"{shape} · {rs['layout']} · {rs['tier']} tier · FIFO", xscale="log",
-               yscale="log")
+        ax.set(
+            xlabel="request rate (requests/s, Poisson)",
+            ylabel="mean TTFT (ms)",
+            title=f"{shape} · {rs['layout']} · {rs['tier']} tier · FIFO",
+            xscale="log",
+            yscale="log",
+        )
         ax.grid(alpha=0.3, which="both")
         ax.legend()
         fig.tight_layout()
@@ -770,61 +880,103 @@ def plot_shape(info: dict, out: Path) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    ap.add_argument("--shape", default="mistral-7b",
-                    help=f"comma-separated model shapes: {', '.join(SHAPES)} (default mistral-7b)")
+    ap.add_argument(
+        "--shape",
+        default="mistral-7b",
+        help=f"comma-separated model shapes: {', '.join(SHAPES)} (default mistral-7b)",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES), help="default bfloat16")
-    ap.add_argument("--layouts", default=None,
-                    help=f"chunks x tokens, comma-separated (default {FULL_DEFAULTS['layouts']}; "
-                         f"tiny: {TINY_DEFAULTS['layouts']})")
-    ap.add_argument("--head-tokens", type=int, default=None,
-                    help="prompt head (BOS + template/system prompt) tokens (default 48; "
-                         "tiny: 16)")
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help=f"chunks x tokens, comma-separated (default {FULL_DEFAULTS['layouts']}; "
+        f"tiny: {TINY_DEFAULTS['layouts']})",
+    )
+    ap.add_argument(
+        "--head-tokens",
+        type=int,
+        default=None,
+        help="prompt head (BOS + template/system prompt) tokens (default 48; tiny: 16)",
+    )
     ap.add_argument("--question-tokens", type=int, default=None, help="default 32; tiny: 8")
     ap.add_argument("--separator-tokens", type=int, default=1, help="between chunks (default 1)")
     ap.add_argument("--modes", default="full,prefix,reuse,blend", help="default: all four")
-    ap.add_argument("--ratios", default="0.05,0.1,0.15,0.2",
-                    help="blend recompute ratios (default 0.05,0.1,0.15,0.2)")
+    ap.add_argument(
+        "--ratios",
+        default="0.05,0.1,0.15,0.2",
+        help="blend recompute ratios (default 0.05,0.1,0.15,0.2)",
+    )
     ap.add_argument("--no-auto", action="store_true", help="skip blend with ratio='auto'")
-    ap.add_argument("--tiers", default="ram,disk",
-                    help="KV tiers: ram, disk, device (default ram,disk)")
-    ap.add_argument("--ram-prefetch", type=int, default=0,
-                    help="layers the RAM tier loads ahead (0: the engine's default for RAM, "
-                         "no pipelining; >0: pipelined like the disk tier)")
-    ap.add_argument("--store-path", default=None,
-                    help="parent directory of the temporary disk tier (use a real disk, not "
-                         "tmpfs); default: the system temp dir")
+    ap.add_argument(
+        "--tiers", default="ram,disk", help="KV tiers: ram, disk, device (default ram,disk)"
+    )
+    ap.add_argument(
+        "--ram-prefetch",
+        type=int,
+        default=0,
+        help="layers the RAM tier loads ahead (0: the engine's default for RAM, "
+        "no pipelining; >0: pipelined like the disk tier)",
+    )
+    ap.add_argument(
+        "--store-path",
+        default=None,
+        help="parent directory of the temporary disk tier (use a real disk, not "
+        "tmpfs); default: the system temp dir",
+    )
     ap.add_argument("--keep-store", action="store_true", help="do not delete the disk tier")
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="interleaved measured rounds (default 5)")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="interleaved measured rounds (default 5)"
+    )
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
     ap.add_argument("--skip-rates", action="store_true", help="skip the request-rate sweep")
-    ap.add_argument("--rate-layout", default=None, help="layout of the rate sweep (default: "
-                                                        "the first layout)")
-    ap.add_argument("--rate-pool", type=int, default=None,
-                    help="distinct chunks requests draw from (default 2 × chunks/request)")
-    ap.add_argument("--rate-requests", type=int, default=None,
-                    help="requests per rate (default 40; tiny: 4)")
-    ap.add_argument("--rates", default="auto",
-                    help="requests/s, comma-separated, or 'auto' (0.3× full's capacity to "
-                         "1.2× blend's, geometric)")
-    ap.add_argument("--num-rates", type=int, default=None,
-                    help="rates when --rates auto (default 8; tiny: 3)")
-    ap.add_argument("--rate-ratio", type=float, default=0.15,
-                    help="blend ratio in the sweep (default 0.15)")
-    ap.add_argument("--rate-tier", default="ram", choices=("ram", "disk", "device"),
-                    help="KV tier of the rate sweep (default ram)")
-    ap.add_argument("--ttft-targets-ms", default=None,
-                    help="mean-TTFT targets for throughput at equal TTFT (default: 1.5, 2, 4 × "
-                         "full's unloaded TTFT)")
-    ap.add_argument("--skip-attention", action="store_true",
-                    help="skip the attention micro-benchmark")
+    ap.add_argument(
+        "--rate-layout", default=None, help="layout of the rate sweep (default: the first layout)"
+    )
+    ap.add_argument(
+        "--rate-pool",
+        type=int,
+        default=None,
+        help="distinct chunks requests draw from (default 2 × chunks/request)",
+    )
+    ap.add_argument(
+        "--rate-requests", type=int, default=None, help="requests per rate (default 40; tiny: 4)"
+    )
+    ap.add_argument(
+        "--rates",
+        default="auto",
+        help="requests/s, comma-separated, or 'auto' (0.3× full's capacity to "
+        "1.2× blend's, geometric)",
+    )
+    ap.add_argument(
+        "--num-rates", type=int, default=None, help="rates when --rates auto (default 8; tiny: 3)"
+    )
+    ap.add_argument(
+        "--rate-ratio", type=float, default=0.15, help="blend ratio in the sweep (default 0.15)"
+    )
+    ap.add_argument(
+        "--rate-tier",
+        default="ram",
+        choices=("ram", "disk", "device"),
+        help="KV tier of the rate sweep (default ram)",
+    )
+    ap.add_argument(
+        "--ttft-targets-ms",
+        default=None,
+        help="mean-TTFT targets for throughput at equal TTFT (default: 1.5, 2, 4 × "
+        "full's unloaded TTFT)",
+    )
+    ap.add_argument(
+        "--skip-attention", action="store_true", help="skip the attention micro-benchmark"
+    )
     ap.add_argument("--attn-keys", default=None, help="key counts N (default 3072,6144; tiny: 256)")
-    ap.add_argument("--attn-ratio", type=float, default=0.15,
-                    help="selected rows m = ratio·N (default 0.15)")
+    ap.add_argument(
+        "--attn-ratio", type=float, default=0.15, help="selected rows m = ratio·N (default 0.15)"
+    )
     ap.add_argument("--attn-iters", type=int, default=20, help="timed calls (default 20)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="out/gpu_bench", help="output directory (default "
-                                                           "out/gpu_bench)")
+    ap.add_argument(
+        "--out", default="out/gpu_bench", help="output directory (default out/gpu_bench)"
+    )
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
     for s in shapes:
@@ -847,8 +999,9 @@ def resolve_device(name: str) -> torch.device:
                 "run on a GPU machine or use --device cpu --shape tiny for a smoke test"
             )
         device = torch.device(name)
-        return torch.device("cuda", torch.cuda.current_device() if device.index is None
-                            else device.index)
+        return torch.device(
+            "cuda", torch.cuda.current_device() if device.index is None else device.index
+        )
     if name != "cpu":
         raise SystemExit(f"gpu_bench.py: error: unknown device {name!r} (cuda, cuda:N, cpu)")
     return torch.device("cpu")
@@ -862,27 +1015,36 @@ def main(argv=None) -> dict:
     dtype = DTYPES[args.dtype]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"environment": environment(device), "settings": {
-        k: v for k, v in vars(args).items() if k != "shapes"}, "models": {}}
+    results: dict = {
+        "environment": environment(device),
+        "settings": {k: v for k, v in vars(args).items() if k != "shapes"},
+        "models": {},
+    }
     if argv is not None:
         results["environment"]["argv"] = ["gpu_bench.py", *argv]
         results["environment"]["command"] = shlex.join(["benchmarks/gpu_bench.py", *argv])
-    print(f"gpu_bench on {results['environment'].get('device_name')} ({device}), "
-          f"torch {torch.__version__}", flush=True)
+    print(
+        f"gpu_bench on {results['environment'].get('device_name')} ({device}), "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     for shape in args.shapes:
         results["models"][shape] = run_shape(shape, args, device, dtype, out)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     if not args.skip_attention:
         spec = SHAPES[args.shapes[0]]
         heads, kv_heads = spec["num_attention_heads"], spec["num_key_value_heads"]
-        results["attention"] = attention_bench(args, device, dtype, heads, kv_heads,
-                                               spec["hidden_size"] // heads)
+        results["attention"] = attention_bench(
+            args, device, dtype, heads, kv_heads, spec["hidden_size"] // heads
+        )
         print("\nselected-rows attention (ms):")
         for c in results["attention"]["cases"]:
             flex = c.get("flex_ms", c.get("flex_error", results["attention"]["flex"]))
-            print(f"  N={c['keys']} m={c['rows']}: sdpa_blocks {c['sdpa_blocks_ms']:.3f} "
-                  f"(plan {c['sdpa_blocks_plan_ms']:.3f}, err {c['sdpa_blocks_max_abs_err']:.1e})"
-                  f", full causal {c['full_causal_sdpa_ms']:.3f}, flex {flex}")
+            print(
+                f"  N={c['keys']} m={c['rows']}: sdpa_blocks {c['sdpa_blocks_ms']:.3f} "
+                f"(plan {c['sdpa_blocks_plan_ms']:.3f}, err {c['sdpa_blocks_max_abs_err']:.1e})"
+                f", full causal {c['full_causal_sdpa_ms']:.3f}, flex {flex}"
+            )
     smi = nvidia_smi()
     if smi is not None:  # clocks right after the load (the first reading is usually idle)
         results["environment"]["nvidia_smi_after"] = smi

@@ -31,10 +31,16 @@ def variants(which: str) -> list[Variant]:
         out += [
             Variant("v@L1", "blend", {"ratio": r, "deviation": "v"}),
             Variant("kv@L2", "blend", {"ratio": r, "check_layers": (2,)}),
-            Variant("kv@L1,2,3 (2,1.5,1)", "blend",
-                    {"ratio": r, "check_layers": (1, 2, 3), "check_scales": (2.0, 1.5, 1.0)}),
-            Variant("kv@L1,3 (1.5,1)", "blend",
-                    {"ratio": r, "check_layers": (1, 3), "check_scales": (1.5, 1.0)}),
+            Variant(
+                "kv@L1,2,3 (2,1.5,1)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 2, 3), "check_scales": (2.0, 1.5, 1.0)},
+            ),
+            Variant(
+                "kv@L1,3 (1.5,1)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 3), "check_scales": (1.5, 1.0)},
+            ),
             Variant("random@L1", "blend", {"ratio": r, "selector": "random"}),
             Variant("ctx=bos kv@L1", "blend", {"ratio": r, "precompute_context": "bos"}),
             Variant("ctx=none kv@L1", "blend", {"ratio": r, "precompute_context": "none"}),
@@ -49,30 +55,49 @@ def variants(which: str) -> list[Variant]:
         out += [
             Variant("kv r=0.15", "blend", {"ratio": r}),
             Variant("kv-relative r=0.15", "blend", {"ratio": r, "selector": "kv-relative"}),
-            Variant("kv L1,10 (1.5,.7)", "blend",
-                    {"ratio": r, "check_layers": (1, 10), "check_scales": (1.5, 0.7)}),
-            Variant("kv L1,6 (2,.75)", "blend",
-                    {"ratio": r, "check_layers": (1, 6), "check_scales": (2.0, 0.75)}),
-            Variant("kv L1,16 (1.3,.65)", "blend",
-                    {"ratio": r, "check_layers": (1, 16), "check_scales": (1.3, 0.65)}),
+            Variant(
+                "kv L1,10 (1.5,.7)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 10), "check_scales": (1.5, 0.7)},
+            ),
+            Variant(
+                "kv L1,6 (2,.75)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 6), "check_scales": (2.0, 0.75)},
+            ),
+            Variant(
+                "kv L1,16 (1.3,.65)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 16), "check_scales": (1.3, 0.65)},
+            ),
         ]
     if which in ("context", "all"):
         for r in (0.1, 0.15):
             out.append(Variant(f"prefix r={r}", "blend", {"ratio": r}))
-            out.append(Variant(f"filler r={r}", "blend",
-                               {"ratio": r, "precompute_context": "filler"}))
+            out.append(
+                Variant(f"filler r={r}", "blend", {"ratio": r, "precompute_context": "filler"})
+            )
         out.append(Variant("filler reuse", "reuse", {"precompute_context": "filler"}))
     if which in ("final", "all"):
         r = 0.15
         out += [
             Variant("kv@L1", "blend", {"ratio": r}),
             Variant("v@L1", "blend", {"ratio": r, "deviation": "v"}),
-            Variant("kv@L1,10 (1.5,.7)", "blend",
-                    {"ratio": r, "check_layers": (1, 10), "check_scales": (1.5, 0.7)}),
-            Variant("v@L1,10 (1.5,.7)", "blend", {"ratio": r, "deviation": "v",
-                    "check_layers": (1, 10), "check_scales": (1.5, 0.7)}),
-            Variant("kv@L1,6,12 (2,1,.6)", "blend",
-                    {"ratio": r, "check_layers": (1, 6, 12), "check_scales": (2.0, 1.0, 0.6)}),
+            Variant(
+                "kv@L1,10 (1.5,.7)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 10), "check_scales": (1.5, 0.7)},
+            ),
+            Variant(
+                "v@L1,10 (1.5,.7)",
+                "blend",
+                {"ratio": r, "deviation": "v", "check_layers": (1, 10), "check_scales": (1.5, 0.7)},
+            ),
+            Variant(
+                "kv@L1,6,12 (2,1,.6)",
+                "blend",
+                {"ratio": r, "check_layers": (1, 6, 12), "check_scales": (2.0, 1.0, 0.6)},
+            ),
         ]
     return out
 
@@ -86,17 +111,20 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--which", default="all",
-                    choices=("ratio", "selector", "query", "budget", "context", "final", "all"))
+    ap.add_argument(
+        "--which",
+        default="all",
+        choices=("ratio", "selector", "query", "budget", "context", "final", "all"),
+    )
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     engine = BlendEngine.from_pretrained(args.model)
-    cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens,
-                       args.offset + args.limit)[args.offset:]
-    results = run_benchmark(engine, cases, variants(args.which), args.repeats,
-                            args.max_new_tokens)
+    cases = load_cases(
+        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
+    )[args.offset :]
+    results = run_benchmark(engine, cases, variants(args.which), args.repeats, args.max_new_tokens)
     results["settings"] = {**vars(args), "n": len(cases), "torch_threads": torch.get_num_threads()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,9 +133,11 @@ def main() -> None:
     print(f"{'variant':<28}{'speedup':>9}{'recomp':>8}{'ans_KL':>8}{'1st_KL':>8}{'agree':>7}")
     for name, m in results["modes"].items():
         sp = results["speedup_vs_full"].get(name, 1.0)
-        print(f"{name:<28}{sp:>9.2f}{m['recomputed_fraction_mean']:>8.3f}"
-              f"{m['answer_kl_mean']:>8.3f}{m['first_token_kl_mean']:>8.3f}"
-              f"{m['agreement_with_full']:>7.2f}")
+        print(
+            f"{name:<28}{sp:>9.2f}{m['recomputed_fraction_mean']:>8.3f}"
+            f"{m['answer_kl_mean']:>8.3f}{m['first_token_kl_mean']:>8.3f}"
+            f"{m['agreement_with_full']:>7.2f}"
+        )
 
 
 def plot(results: dict, path: Path) -> None:

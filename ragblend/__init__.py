@@ -1,8 +1,9 @@
 """ragblend: CacheBlend (fused chunk KV caches with selective recompute) on HF transformers."""
 
 from ragblend.config import BlendConfig
-from ragblend.engine import BlendEngine, BlendResult, BlendStats, BlendStream
+from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError, UnsupportedModelError
+from ragblend.generation import BlendResult, BlendStats, BlendStream, SamplingParams
 from ragblend.prompt import PromptFormat
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "BlendStats",
     "BlendStream",
     "PromptFormat",
+    "SamplingParams",
     "RagblendError",
     "UnsupportedModelError",
 ]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
+
+from ragblend.errors import RagblendError
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
@@ -55,12 +58,8 @@ class BlendConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from ragblend.errors import RagblendError
-
-        if self.mode not in MODES:
-            raise RagblendError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
-        if self.ratio != "auto" and not (0.0 <= float(self.ratio) <= 1.0):
-            raise RagblendError(f"ratio must be in [0, 1] or 'auto', got {self.ratio!r}")
+        check_mode(self.mode)
+        check_ratio(self.ratio)
         if not self.check_layers:
             raise RagblendError("check_layers must name at least one layer")
         if list(self.check_layers) != sorted(set(self.check_layers)) or self.check_layers[0] < 0:
@@ -90,3 +89,44 @@ class BlendConfig:
         """(check layer, fraction of cached tokens kept) pairs for a final ``ratio``."""
         scales = self.check_scales or (1.0,) * len(self.check_layers)
         return [(layer, min(1.0, ratio * s)) for layer, s in zip(self.check_layers, scales)]
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of MODES, else a RagblendError naming them."""
+    if mode not in MODES:
+        raise RagblendError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def check_ratio(ratio: object) -> None:
+    """A RagblendError unless ``ratio`` is None, "auto" or a number in [0, 1]."""
+    if ratio is None or ratio == "auto":
+        return
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise RagblendError(f"ratio must be a number in [0, 1] or 'auto', got {ratio!r}")
+
+
+def fit_to_depth(config: BlendConfig, num_layers: int) -> BlendConfig:
+    """``config`` with check layers the model has.
+
+    The default schedule (check layers (1, 10)) is cut to the layers a shallower model has,
+    keeping ``ratio`` after its last check layer; check layers set explicitly beyond the
+    model's depth are an error.
+    """
+    depth = num_layers
+    if config.check_layers[-1] < depth:
+        return config
+    defaults = BlendConfig()
+    is_default = (config.check_layers, config.check_scales) == (
+        defaults.check_layers,
+        defaults.check_scales,
+    )
+    kept = tuple(layer for layer in config.check_layers if layer < depth)
+    if is_default and kept:
+        return dataclasses.replace(config, check_layers=kept, check_scales=None)
+    if config.check_layers[-1] >= depth:
+        raise RagblendError(
+            f"check_layers {config.check_layers} name a layer the model does not have: it has "
+            f"{depth} layers (0..{depth - 1})"
+        )
+    return config

@@ -18,10 +18,17 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ragblend.models.adapters import LayerwiseModel
+
+PrefillFn = Callable[[Sequence[int]], object]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,27 @@ class Profile:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
+@dataclass(frozen=True)
+class Decision:
+    """The controller's choice for one prompt (``asdict`` goes into ``stats.extra``).
+
+    ``fallback_full``: loading alone would take longer than a full prefill, so the engine
+    runs a full prefill instead.
+    """
+
+    ratio: float
+    r_star: float
+    r_load: float
+    tier: str
+    n_tokens: int
+    t_prefill_ms: float
+    t_load_ms: float
+    t_recompute_ms: float
+    bytes_per_token: int
+    bandwidth_bytes_per_s: float | None
+    fallback_full: bool
+
+
 class LoadingController:
     """Chooses the recompute ratio (and says when to fall back to full prefill)."""
 
@@ -73,31 +101,27 @@ class LoadingController:
         self.tier = tier
         self.r_star = float(r_star)
 
-    def decide(self, n_tokens: int, tier: str | None = None) -> dict:
-        """The decision for a prompt of ``n_tokens`` tokens loaded from ``tier``.
-
-        Keys: ratio, r_star, r_load, tier, n_tokens, t_prefill_ms, t_load_ms, t_recompute_ms,
-        bytes_per_token, bandwidth_bytes_per_s, fallback_full.
-        """
+    def decide(self, n_tokens: int, tier: str | None = None) -> Decision:
+        """The decision for a prompt of ``n_tokens`` tokens loaded from ``tier``."""
         tier = tier or self.tier
         t_prefill = self.profile.prefill_ms(n_tokens)
         t_load = self.profile.load_ms(n_tokens, tier)
         r_load = t_load / t_prefill
         fallback = t_load >= t_prefill
         ratio = 1.0 if fallback else min(1.0, max(self.r_star, r_load))
-        return {
-            "ratio": ratio,
-            "r_star": self.r_star,
-            "r_load": r_load,
-            "tier": tier,
-            "n_tokens": int(n_tokens),
-            "t_prefill_ms": t_prefill,
-            "t_load_ms": t_load,
-            "t_recompute_ms": ratio * t_prefill,
-            "bytes_per_token": self.profile.bytes_per_token,
-            "bandwidth_bytes_per_s": self.profile.bandwidth.get(tier),
-            "fallback_full": fallback,
-        }
+        return Decision(
+            ratio=ratio,
+            r_star=self.r_star,
+            r_load=r_load,
+            tier=tier,
+            n_tokens=int(n_tokens),
+            t_prefill_ms=t_prefill,
+            t_load_ms=t_load,
+            t_recompute_ms=ratio * t_prefill,
+            bytes_per_token=self.profile.bytes_per_token,
+            bandwidth_bytes_per_s=self.profile.bandwidth.get(tier),
+            fallback_full=fallback,
+        )
 
     def cheapest_tier(self, n_tokens: int, ratio: float | None = None) -> str:
         """The cheapest tier whose loading hides behind recomputing ``ratio`` (default r*)."""
@@ -111,7 +135,14 @@ class LoadingController:
     def for_engine(cls, engine, refresh: bool = False, r_star: float = R_STAR) -> LoadingController:
         """A controller for ``engine``'s model, device and store (profiling once if needed)."""
         tier, disk_path = store_tier(engine.store)
-        profile = load_or_profile(engine, disk_path, refresh=refresh)
+        profile = load_or_profile(
+            engine.full_prefill,
+            engine.layers,
+            engine.fingerprint,
+            int(engine.model.config.vocab_size),
+            disk_path,
+            refresh=refresh,
+        )
         return cls(profile, tier=tier, r_star=r_star)
 
 
@@ -121,7 +152,7 @@ def store_tier(store) -> tuple[str, Path | None]:
 
     A tiered store is planned as disk (a conservative choice: its misses in RAM read disk).
     """
-    kind = getattr(store, "tier", "ram")
+    kind = store.tier
     if kind == "disk":
         return "disk", Path(store.path)
     if kind == "tiered":
@@ -136,10 +167,17 @@ def profile_path(fingerprint: str, device: str) -> Path:
     return profiles_dir() / f"{fingerprint[:16]}-{safe_device}.json"
 
 
-def load_or_profile(engine, disk_path: Path | None = None, refresh: bool = False) -> Profile:
-    """The cached profile of ``engine``'s model and device, measured (and saved) if missing."""
-    device = str(engine.layers.device)
-    path = profile_path(engine.fingerprint, device)
+def load_or_profile(
+    prefill: PrefillFn,
+    layers: LayerwiseModel,
+    fingerprint: str,
+    vocab_size: int,
+    disk_path: Path | None = None,
+    refresh: bool = False,
+) -> Profile:
+    """The cached profile of a model on its device, measured (and saved) if missing."""
+    device = str(layers.device)
+    path = profile_path(fingerprint, device)
     profile = None
     if path.is_file() and not refresh:
         try:
@@ -147,17 +185,17 @@ def load_or_profile(engine, disk_path: Path | None = None, refresh: bool = False
         except (ValueError, TypeError) as exc:
             log.warning("ignoring unreadable profile %s (%s)", path, exc)
         if profile is not None and (
-            profile.version != PROFILE_VERSION or profile.fingerprint != engine.fingerprint
+            profile.version != PROFILE_VERSION or profile.fingerprint != fingerprint
         ):
             profile = None
     changed = False
     if profile is None:
-        profile = profile_engine(engine)
+        profile = profile_engine(prefill, layers, fingerprint, vocab_size)
         changed = True
     if disk_path is not None and (
         "disk" not in profile.bandwidth or profile.disk_path != str(disk_path)
     ):
-        profile.bandwidth["disk"] = measure_disk_bandwidth(disk_path, engine.layers.device)
+        profile.bandwidth["disk"] = measure_disk_bandwidth(disk_path, layers.device)
         profile.disk_path = str(disk_path)
         changed = True
     if changed:
@@ -165,38 +203,48 @@ def load_or_profile(engine, disk_path: Path | None = None, refresh: bool = False
     return profile
 
 
-def profile_engine(engine, lengths: tuple[int, int] = (64, 256), repeats: int = 2) -> Profile:
-    """Measure prefill time (two prompt lengths, linear fit) and RAM → device bandwidth."""
-    lay = engine.layers
-    device = lay.device
-    vocab = int(engine.model.config.vocab_size)
+def profile_engine(
+    prefill: PrefillFn,
+    layers: LayerwiseModel,
+    fingerprint: str,
+    vocab_size: int,
+    lengths: tuple[int, int] = (64, 256),
+    repeats: int = 2,
+) -> Profile:
+    """Measure ``prefill`` time (two prompt lengths, linear fit) and RAM → device bandwidth.
+
+    ``prefill(ids)`` runs a full prefill of ``ids`` (the engine's ``full_prefill``).
+    """
+    device = layers.device
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, max(101, vocab - 100), (max(lengths),), generator=generator).tolist()
-    engine._forward(ids[:16], None)  # warm up kernels and allocator
+    top = max(101, vocab_size - 100)
+    ids = torch.randint(100, top, (max(lengths),), generator=generator).tolist()
+    prefill(ids[:16])  # warm up kernels and allocator
     times = []
     for n in lengths:
         best = float("inf")
         for _ in range(repeats):
             _sync(device)
             t0 = time.perf_counter()
-            engine._forward(ids[:n], None)
+            prefill(ids[:n])
             _sync(device)
             best = min(best, (time.perf_counter() - t0) * 1000)
         times.append(best)
     (n1, n2), (t1, t2) = lengths, times
     per_token = max(1e-6, (t2 - t1) / (n2 - n1))
     fixed = max(0.0, t1 - per_token * n1)
-    element = torch.empty((), dtype=lay.dtype).element_size()
-    bytes_per_token = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * element
     return Profile(
-        fingerprint=engine.fingerprint,
+        fingerprint=fingerprint,
         device=str(device),
         prefill_ms_fixed=fixed,
         prefill_ms_per_token=per_token,
-        bytes_per_token=bytes_per_token,
+        bytes_per_token=layers.kv_bytes_per_token(),
         bandwidth={"ram": measure_ram_bandwidth(device)},
-        measured={"prefill_ms": dict(zip(map(str, lengths), times, strict=True)),
-                  "when": time.time(), "torch_threads": torch.get_num_threads()},
+        measured={
+            "prefill_ms": dict(zip(map(str, lengths), times, strict=True)),
+            "when": time.time(),
+            "torch_threads": torch.get_num_threads(),
+        },
     )
 
 

@@ -145,6 +145,16 @@ def tokenize_prompt(
     )
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages with the generation prompt (plain text without a template)."""
+    if getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(enc["input_ids"])
+    return encode(tokenizer, "\n\n".join(m["content"] for m in messages) + "\n")
+
+
 def _adds_bos(tokenizer) -> bool:
     ids = tokenizer("a")["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id

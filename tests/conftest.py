@@ -11,37 +11,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def tiny_config(family: str, **overrides):
-    """A 3-layer GQA config of the family, sharing the embedded tokenizer's vocabulary."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-           "qwen3": Qwen3Config}[family]
-    kwargs = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    if family == "qwen3":
-        kwargs["head_dim"] = 16
-    kwargs.update(overrides)
-    return cls(**kwargs)
-
-
-def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
-    return model.to(dtype).eval()
+from helpers import FAMILIES, tiny_config, tiny_model  # noqa: E402,F401 (tests import them here)
 
 
 @pytest.fixture(scope="session")

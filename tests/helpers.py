@@ -1,10 +1,46 @@
-"""Small helpers shared by the tests."""
+"""Small helpers shared by the tests: the tiny model builders, engines, HF references."""
 
 from __future__ import annotations
 
 import torch
 
 from ragblend import BlendConfig, BlendEngine
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(family: str, **overrides):
+    """A 3-layer GQA config of the family, sharing the embedded tokenizer's vocabulary."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }[family]
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    return model.to(dtype).eval()
 
 
 def engine_for(model, tokenizer, **config) -> BlendEngine:
@@ -21,11 +57,16 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return entry.keys, entry.values
 
 
-def assert_matches_hf(out, ref, layers, atol: float, rtol: float = 0.0,
-                      logits_atol: float | None = None) -> None:
+def assert_matches_hf(
+    out, ref, layers, atol: float, rtol: float = 0.0, logits_atol: float | None = None
+) -> None:
     """A prefill's last-token logits and the given layers' K/V equal HF's forward ``ref``."""
-    torch.testing.assert_close(out.logits, ref.logits[0, -1].float(),
-                               atol=atol if logits_atol is None else logits_atol, rtol=0)
+    torch.testing.assert_close(
+        out.logits,
+        ref.logits[0, -1].float(),
+        atol=atol if logits_atol is None else logits_atol,
+        rtol=0,
+    )
     for layer in layers:
         k, v = layer_kv(out.cache, layer)
         k_ref, v_ref = layer_kv(ref.past_key_values, layer)

@@ -12,8 +12,16 @@ from ragblend.bench.metrics import best_f1, f1_score, kl_divergence, normalize_a
 from ragblend.cli import main
 from ragblend.errors import RagblendError
 
-MODE_KEYS = {"ttft_ms_median", "ttft_ms_mean", "f1", "agreement_with_full",
-             "first_token_kl_mean", "answer_kl_mean", "n"}
+MODE_KEYS = {
+    "ttft_ms_median",
+    "ttft_ms_mean",
+    "f1",
+    "agreement_with_full",
+    "first_token_kl_mean",
+    "answer_kl_mean",
+    "decode_tokens_per_s",
+    "n",
+}
 
 
 def test_squad_f1_normalises_case_punctuation_and_articles():
@@ -45,18 +53,47 @@ def test_malformed_dataset_is_a_clear_error(tmp_path, tokenizer):
         load_cases(path, tokenizer)
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     dataset = tmp_path / "cases.json"
     dataset.write_text(json.dumps(dev_cases[:1]))
     out = tmp_path / "out"
-    code = main(["bench", "--dataset", str(dataset), "--limit", "1", "--top-k", "2",
-                 "--chunk-tokens", "64", "--modes", "full,prefix,reuse,blend", "--repeats", "1",
-                 "--max-new-tokens", "4", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "--dataset",
+            str(dataset),
+            "--limit",
+            "1",
+            "--top-k",
+            "2",
+            "--chunk-tokens",
+            "64",
+            "--modes",
+            "full,prefix,reuse,blend",
+            "--repeats",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     settings = results["settings"]
-    for key in ("model", "device", "top_k", "chunk_tokens", "ratio", "selector", "tier", "n",
-                "repeats", "torch_threads"):
+    for key in (
+        "model",
+        "device",
+        "top_k",
+        "chunk_tokens",
+        "ratio",
+        "selector",
+        "tier",
+        "n",
+        "repeats",
+        "torch_threads",
+    ):
         assert key in settings
     assert settings["top_k"] == 2 and settings["n"] == 1 and settings["tier"] == "ram"
     assert set(results["modes"]) == {"full", "prefix", "reuse", "blend"}
@@ -66,6 +103,7 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     assert results["modes"]["full"]["answer_kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert results["modes"]["prefix"]["answer_kl_mean"] == pytest.approx(0.0, abs=1e-3)
     assert 0 < results["modes"]["blend"]["recomputed_fraction_mean"] < 1
+    assert all(m["decode_tokens_per_s"] > 0 for m in results["modes"].values())
     assert set(results["speedup_vs_full"]) == {"prefix", "reuse", "blend"}
     assert (out / "ttft_vs_quality.png").stat().st_size > 1000
 
@@ -73,6 +111,18 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
 def test_bench_cli_rejects_unknown_modes(tmp_path, dev_cases, capsys):
     dataset = tmp_path / "cases.json"
     dataset.write_text(json.dumps(dev_cases[:1]))
-    assert main(["bench", "--dataset", str(dataset), "--modes", "full,turbo",
-                 "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--dataset",
+                str(dataset),
+                "--modes",
+                "full,turbo",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "unknown mode 'turbo'" in capsys.readouterr().err

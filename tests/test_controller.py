@@ -24,35 +24,35 @@ def profile(ms_per_token=1.0, disk=None, ram=1e12, bytes_per_token=1000) -> Prof
 
 def test_fast_loading_keeps_the_quality_floor_r_star():
     decision = LoadingController(profile(), tier="ram").decide(1000)
-    assert decision["ratio"] == pytest.approx(0.15)
-    assert decision["r_load"] < 0.15
-    assert decision["fallback_full"] is False
-    assert decision["t_recompute_ms"] == pytest.approx(0.15 * decision["t_prefill_ms"])
+    assert decision.ratio == pytest.approx(0.15)
+    assert decision.r_load < 0.15
+    assert decision.fallback_full is False
+    assert decision.t_recompute_ms == pytest.approx(0.15 * decision.t_prefill_ms)
 
 
 def test_slow_loading_raises_the_ratio_to_what_loading_hides():
     # 1000 B/token at 2 MB/s = 0.5 ms/token of loading against 1 ms/token of prefill.
     decision = LoadingController(profile(disk=2e6), tier="disk").decide(1000)
-    assert decision["r_load"] == pytest.approx(0.5)
-    assert decision["ratio"] == pytest.approx(0.5)
-    assert decision["t_load_ms"] == pytest.approx(500.0)
-    assert decision["t_recompute_ms"] == pytest.approx(decision["t_load_ms"])
-    assert decision["fallback_full"] is False
-    assert decision["tier"] == "disk"
+    assert decision.r_load == pytest.approx(0.5)
+    assert decision.ratio == pytest.approx(0.5)
+    assert decision.t_load_ms == pytest.approx(500.0)
+    assert decision.t_recompute_ms == pytest.approx(decision.t_load_ms)
+    assert decision.fallback_full is False
+    assert decision.tier == "disk"
 
 
 def test_loading_slower_than_a_full_prefill_falls_back_to_full():
     decision = LoadingController(profile(disk=5e5), tier="disk").decide(1000)
-    assert decision["t_load_ms"] > decision["t_prefill_ms"]
-    assert decision["fallback_full"] is True
-    assert decision["ratio"] == 1.0
+    assert decision.t_load_ms > decision.t_prefill_ms
+    assert decision.fallback_full is True
+    assert decision.ratio == 1.0
 
 
 def test_ratio_is_the_max_of_r_star_and_r_load_over_bandwidths():
     for bandwidth in (1e5, 1e6, 2e6, 5e6, 1e7, 1e8):
         d = LoadingController(profile(disk=bandwidth), tier="disk", r_star=0.2).decide(500)
-        if not d["fallback_full"]:
-            assert d["ratio"] == pytest.approx(max(0.2, d["r_load"]))
+        if not d.fallback_full:
+            assert d.ratio == pytest.approx(max(0.2, d.r_load))
 
 
 def test_cheapest_tier_is_disk_when_its_loading_hides_behind_recompute():
@@ -93,14 +93,14 @@ def test_fallback_runs_a_full_prefill(engine):
     prompt = engine.tokenize(QUESTION, CHUNKS)
     got = engine.prefill(prompt, mode="blend")
     assert got.stats.extra["controller"]["fallback_full"] is True
+    assert got.stats.mode == "full"  # the mode that ran, not the one asked for
+    assert "longer than a full prefill" in got.stats.fallback_reason
     assert got.fusion is None  # no fused path was taken
     want = engine.prefill(prompt, mode="full")
     assert torch.equal(got.logits, want.logits)
 
 
-def test_profile_is_measured_once_and_cached_per_model_and_device(
-    engine, tmp_path, monkeypatch
-):
+def test_profile_is_measured_once_and_cached_per_model_and_device(engine, tmp_path, monkeypatch):
     monkeypatch.setattr(ctl, "profile_path", lambda fp, dev: tmp_path / f"{fp[:16]}-{dev}.json")
     monkeypatch.setattr(ctl, "measure_disk_bandwidth", lambda path, device: 3e9)
     engine.store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)

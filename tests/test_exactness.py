@@ -24,8 +24,10 @@ def _model(family, windowed=False):
     return tiny_model(family, **(WINDOWED.get(family, {}) if windowed else {}))
 
 
-@pytest.fixture(params=[(f, False) for f in FAMILIES] + [(f, True) for f in WINDOWED],
-                ids=lambda p: p[0] + ("-window" if p[1] else ""))
+@pytest.fixture(
+    params=[(f, False) for f in FAMILIES] + [(f, True) for f in WINDOWED],
+    ids=lambda p: p[0] + ("-window" if p[1] else ""),
+)
 def family_engine(request, tokenizer):
     family, windowed = request.param
     model = _model(family, windowed)
@@ -59,10 +61,13 @@ def test_greedy_generation_after_ratio_one_blend_equals_hf_generate(family_engin
     result = engine.generate(QUESTION, CHUNKS, mode="blend", max_new_tokens=12)
     with torch.inference_mode():
         ref = engine.model.generate(
-            torch.tensor([prompt.ids]), max_new_tokens=12, do_sample=False,
-            eos_token_id=list(engine.eos_ids), pad_token_id=0,
+            torch.tensor([prompt.ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=list(engine.eos_ids),
+            pad_token_id=0,
         )
-    ref_ids = [t for t in ref[0, len(prompt.ids):].tolist() if t not in engine.eos_ids]
+    ref_ids = [t for t in ref[0, len(prompt.ids) :].tolist() if t not in engine.eos_ids]
     assert result.token_ids == ref_ids[: len(result.token_ids)]
     assert len(result.token_ids) == len(ref_ids)
 
@@ -79,19 +84,21 @@ def test_reuse_equals_stored_chunk_caches_with_only_positions_changed(family, to
     for i, chunk in enumerate(prompt.chunks):
         if i:
             start += len(prompt.separator)
-        stored = engine.store.get(engine.chunk_key(chunk, context))
+        stored = engine.store.get(engine.chunk_key(context_ids=context, chunk_ids=chunk))
         positions = torch.arange(start, start + len(chunk))
         for layer in range(lay.num_layers):
             k_pre, v = stored.layer(layer)
             cos, sin = lay.rope(positions, k_pre.unsqueeze(0))
             k_expected = lay.rotate(k_pre.unsqueeze(0), cos, sin)
             k, v_out = layer_kv(out.cache, layer)
-            torch.testing.assert_close(k[:, :, start : start + len(chunk)], k_expected,
-                                       atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                k[:, :, start : start + len(chunk)], k_expected, atol=1e-6, rtol=0
+            )
             assert torch.equal(v_out[0, :, start : start + len(chunk)], v)
         start += len(chunk)
 
 
+@pytest.mark.slow
 def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine):
     engine = embedded_engine.with_config(ratio=1.0)
     engine.precompute(CHUNKS)
@@ -99,6 +106,35 @@ def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine)
     ref = hf_forward(engine.model, prompt.ids)
     out = engine.prefill(prompt, "blend")
     assert_matches_hf(out, ref, (0, 14, engine.layers.num_layers - 1), atol=2e-4)
-    assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
-        QUESTION, CHUNKS, mode="full", max_new_tokens=8
-    ).text
+    assert (
+        engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text
+        == engine.generate(QUESTION, CHUNKS, mode="full", max_new_tokens=8).text
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_into_the_static_cache_equals_hf_generate_and_leaves_the_prefill_alone(
+    family, tokenizer
+):
+    from transformers import StaticCache
+
+    from ragblend.generation import decode_cache
+
+    engine = engine_for(_model(family), tokenizer)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    pre = engine.prefill(prompt, "full")
+    assert isinstance(decode_cache(engine.model, pre.cache, len(prompt) + 4), StaticCache)
+    before = [layer_kv(pre.cache, i)[0].clone() for i in range(engine.layers.num_layers)]
+    ids = engine.greedy_answer(pre, 24)
+    with torch.inference_mode():
+        ref = engine.model.generate(
+            torch.tensor([prompt.ids]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=list(engine.eos_ids),
+            pad_token_id=0,
+        )
+    assert ids == [t for t in ref[0, len(prompt.ids) :].tolist() if t not in engine.eos_ids]
+    for i, k in enumerate(before):
+        assert torch.equal(layer_kv(pre.cache, i)[0], k)
+    assert engine.greedy_answer(pre, 24) == ids  # the prefill can be decoded again

@@ -9,6 +9,7 @@ from helpers import engine_for
 
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import Segment, fuse
+from ragblend.fusion.trace import SelectionTrace
 from ragblend.store.base import ChunkKV
 
 
@@ -45,8 +46,9 @@ def test_blocked_gqa_attention_matches_per_row_reference_with_and_without_window
         plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, window)
         assert len(plan.blocks) > 1
         got = attend_rows(q, k, v, plan, 0.3)
-        torch.testing.assert_close(got, _reference_rows(q, k, v, positions, 0.3, window),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            got, _reference_rows(q, k, v, positions, 0.3, window), atol=1e-5, rtol=1e-5
+        )
 
 
 class EarlyFirstSelector:
@@ -74,11 +76,13 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
         for i, chunk in enumerate(prompt.chunks):
             if i:
                 segs.append(Segment("separator", prompt.separator))
-            kv = engine.store.get(engine.chunk_key(chunk, context))
+            kv = engine.store.get(engine.chunk_key(context_ids=context, chunk_ids=chunk))
             if i == len(prompt.chunks) - 1 and noise:
                 g = torch.Generator().manual_seed(1)
-                kv = ChunkKV(kv.k + noise * torch.randn(kv.k.shape, generator=g),
-                             kv.v + noise * torch.randn(kv.v.shape, generator=g))
+                kv = ChunkKV(
+                    kv.k + noise * torch.randn(kv.k.shape, generator=g),
+                    kv.v + noise * torch.randn(kv.v.shape, generator=g),
+                )
             segs.append(Segment("chunk", chunk, kv))
         segs.append(Segment("tail", prompt.tail))
         return segs
@@ -86,31 +90,44 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
     results = []
     for noise in (0.0, 5.0):
         segs = segments(noise)
-        results.append(fuse(engine.layers, segs, engine._loader(segs), [(0, 0.3)],
-                            EarlyFirstSelector()))
+        results.append(
+            fuse(engine.layers, segs, engine.chunks.loader(segs), [(0, 0.3)], EarlyFirstSelector())
+        )
     clean, noisy = results
     assert torch.equal(clean.selected, noisy.selected)
     last_chunk_start = len(prompt.ids) - len(prompt.tail) - len(prompt.chunks[-1])
     early = clean.selected[clean.selected < last_chunk_start]
     assert early.numel() > 10
     for layer in range(1, engine.layers.num_layers):
-        torch.testing.assert_close(clean.keys[layer][:, :, early], noisy.keys[layer][:, :, early],
-                                   atol=1e-6, rtol=0)
-        torch.testing.assert_close(clean.values[layer][:, :, early],
-                                   noisy.values[layer][:, :, early], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            clean.keys[layer][:, :, early], noisy.keys[layer][:, :, early], atol=1e-6, rtol=0
+        )
+        torch.testing.assert_close(
+            clean.values[layer][:, :, early], noisy.values[layer][:, :, early], atol=1e-6, rtol=0
+        )
     assert not torch.allclose(clean.logits, noisy.logits)
 
 
 def test_gradual_filtering_selects_within_the_previous_selection(tokenizer):
     model = tiny_model("llama", num_hidden_layers=4)
-    engine = engine_for(model, tokenizer, ratio=0.2, check_layers=(0, 1, 2),
-                        check_scales=(3.0, 2.0, 1.0))
+    engine = engine_for(
+        model, tokenizer, ratio=0.2, check_layers=(0, 1, 2), check_scales=(3.0, 2.0, 1.0)
+    )
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    out = engine.prefill(prompt, "blend").fusion
+    segments, _ = engine.chunks.lookup(prompt)
+    trace = SelectionTrace()
+    out = fuse(
+        engine.layers,
+        segments,
+        engine.chunks.loader(segments),
+        engine.config.schedule(0.2),
+        engine.selector,
+        trace=trace,
+    )
     chunk_tokens = sum(len(c) for c in prompt.chunks)
     forced = len(prompt.ids) - len(prompt.head) - chunk_tokens
-    sel = [set(out.selections[layer].tolist()) for layer in (0, 1, 2)]
+    sel = [set(trace.selections[layer].tolist()) for layer in (0, 1, 2)]
     assert sel[2] <= sel[1] <= sel[0]
     for s, r in zip(sel, (0.6, 0.4, 0.2)):
         assert len(s) == forced + round(r * chunk_tokens)
@@ -156,5 +173,9 @@ def test_contiguous_tail_rows_take_the_causal_kernel_and_match_the_reference():
     k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
     plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, None)
     assert plan.causal_start == 40
-    torch.testing.assert_close(attend_rows(q, k, v, plan, 0.3),
-                               _reference_rows(q, k, v, positions, 0.3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        attend_rows(q, k, v, plan, 0.3),
+        _reference_rows(q, k, v, positions, 0.3),
+        atol=1e-5,
+        rtol=1e-5,
+    )

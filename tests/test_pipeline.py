@@ -10,7 +10,7 @@ from conftest import CHUNKS, QUESTION, tiny_model
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import CorruptEntryError
-from ragblend.pipeline import LayerLoader
+from ragblend.fusion.layer_loader import LayerLoader
 from ragblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore
 
 LAYERS, HEADS, DIM = 8, 2, 4
@@ -138,7 +138,7 @@ def test_engine_prefetches_for_disk_stores_only(tokenizer, tmp_path):
         (TieredStore(MemoryStore(), DiskStore(tmp_path / "t", 1 << 30, fsync=False)), 2),
     ]:
         engine = BlendEngine(model, tokenizer, BlendConfig(), store)
-        assert engine._loader([]).prefetch == depth
+        assert engine.chunks.loader([]).prefetch == depth
 
 
 @pytest.mark.parametrize("tier", ["disk", "tiered"])

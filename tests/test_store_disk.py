@@ -105,7 +105,7 @@ def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, to
     assert meta["fingerprint"] == engine.fingerprint
     assert meta["dtype"] == "torch.float32"
     assert meta["version"] == disk_mod.FORMAT_VERSION
-    assert meta["context"] == engine.chunk_key([], engine.prompt_head())[:16]
+    assert meta["context"] == engine.chunk_key(context_ids=engine.prompt_head(), chunk_ids=[])[:16]
     assert meta["tokens"] == len(tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"])
 
 
@@ -231,7 +231,7 @@ def test_damaged_entry_is_a_miss_and_the_answer_equals_a_run_without_it(
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    key = engine.chunk_key(prompt.chunks[1], engine._context_ids(prompt.head))
+    key = engine.chunk_key(context_ids=engine._context_ids(prompt.head), chunk_ids=prompt.chunks[1])
     other = make_engine("llama", tokenizer, MemoryStore(), seed=1)
     other_kv = other._compute_kv(prompt.chunks[1], engine._context_ids(prompt.head))
     DAMAGE[damage](store, key, monkeypatch, other_kv)

@@ -37,7 +37,7 @@ def test_fusion_leaves_the_stored_cache_unchanged(tokenizer):
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     context = engine._context_ids(prompt.head)
-    keys = [engine.chunk_key(c, context) for c in prompt.chunks]
+    keys = [engine.chunk_key(context_ids=context, chunk_ids=c) for c in prompt.chunks]
     before = [(engine.store.get(k).k.clone(), engine.store.get(k).v.clone()) for k in keys]
     for mode in ("blend", "reuse"):
         engine.generate(QUESTION, CHUNKS, mode=mode, max_new_tokens=4)

@@ -288,7 +288,8 @@ def test_two_processes_warming_the_same_chunks_store_each_once(dataset, model_di
     ref = BlendEngine.from_pretrained(str(model_dir), store=MemoryStore())
     ref.precompute([passage(0), passage(1)])
     for chunk in (passage(0), passage(1)):
-        key = engine.chunk_key(engine.tokenizer(chunk, add_special_tokens=False)["input_ids"],
-                               engine._context_ids(engine.tokenize("q", [chunk]).head))
+        key = engine.chunk_key(
+            context_ids=engine._context_ids(engine.tokenize("q", [chunk]).head),
+            chunk_ids=engine.tokenizer(chunk, add_special_tokens=False)["input_ids"])
         got, want = store.get(key), ref.store.get(key)
         assert all(torch.equal(got.layer(i)[0], want.layer(i)[0]) for i in range(3))

@@ -17,10 +17,17 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=6, help="chunks per question (first k ctxs)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="cut each chunk to N tokens")
     p.add_argument("--modes", default="full,prefix,reuse,blend", help="comma-separated modes")
-    p.add_argument("--ratio", type=float, default=None,
-                   help=f"blend recompute ratio (default: engine default {defaults.ratio})")
-    p.add_argument("--selector", default=None,
-                   help=f"token selector (default: engine default {defaults.selector})")
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help=f"blend recompute ratio (default: engine default {defaults.ratio})",
+    )
+    p.add_argument(
+        "--selector",
+        default=None,
+        help=f"token selector (default: engine default {defaults.selector})",
+    )
     p.add_argument("--tier", choices=("ram", "disk"), default="ram", help="where chunk KV lives")
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -101,8 +108,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_table(results: dict) -> None:
-    cols = ("ttft_ms_median", "f1", "agreement_with_full", "first_token_kl_mean",
-            "answer_kl_mean", "recomputed_fraction_mean")
+    cols = (
+        "ttft_ms_median",
+        "f1",
+        "agreement_with_full",
+        "first_token_kl_mean",
+        "answer_kl_mean",
+        "recomputed_fraction_mean",
+        "decode_tokens_per_s",
+    )
     print(f"{'mode':<14}" + "".join(f"{c:>22}" for c in cols) + f"{'speedup':>10}")
     for name, m in results["modes"].items():
         sp = results["speedup_vs_full"].get(name, 1.0)

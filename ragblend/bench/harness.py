@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,13 +33,21 @@ class Record:
     first_token_kl: float = 0.0
     answer_kl: float = 0.0
     recomputed_fraction: float = 1.0
+    decode_tokens_per_s: float = float("nan")
 
 
-def _median(xs: Sequence[float]) -> float:
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued kernels (CUDA is asynchronous), so a timer sees them."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def _mean(xs: Sequence[float]) -> float:
+def mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs)) if xs else float("nan")
 
 
@@ -87,8 +96,9 @@ def run_benchmark(
                 pre = view.prefill(prompt, v.mode)
                 recs[v.name].ttft_ms.append((time.perf_counter() - start) * 1000)
                 if repeat == repeats - 1:  # score the last measurement, then free it
-                    reference = _score(engine, view, v, pre, case, recs[v.name], reference,
-                                       max_new_tokens)
+                    reference = _score(
+                        engine, view, v, pre, case, recs[v.name], reference, max_new_tokens
+                    )
                 del pre
         for v in variants:
             records[v.name].append(recs[v.name])
@@ -99,10 +109,17 @@ def _score(engine, view, variant, pre, case, rec: Record, reference, max_new_tok
     """Fill ``rec``'s quality fields; returns the reference (set when ``variant`` is full)."""
     if reference is None:  # this is the full-prefill reference
         ids = engine.greedy_answer(pre, max_new_tokens)
-        reference = (pre.logits, ids, engine.tokenizer.decode(ids, skip_special_tokens=True),
-                     engine.teacher_forced_logits(pre, ids))
+        reference = (
+            pre.logits,
+            ids,
+            engine.tokenizer.decode(ids, skip_special_tokens=True),
+            engine.teacher_forced_logits(pre, ids),
+        )
     ref_logits, ref_ids, ref_text, ref_tf = reference
+    t0 = time.perf_counter()
     ids = view.greedy_answer(pre, max_new_tokens)
+    if ids:
+        rec.decode_tokens_per_s = len(ids) / (time.perf_counter() - t0)
     rec.answer = engine.tokenizer.decode(ids, skip_special_tokens=True)
     rec.f1 = best_f1(rec.answer, case.answers)
     rec.agrees = normalize_answer(rec.answer) == normalize_answer(ref_text)
@@ -115,15 +132,18 @@ def _score(engine, view, variant, pre, case, rec: Record, reference, max_new_tok
 def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, n: int) -> dict:
     modes = {}
     for name, recs in records.items():
-        ttfts = [_median(r.ttft_ms) for r in recs]
+        ttfts = [median(r.ttft_ms) for r in recs]
         modes[name] = {
-            "ttft_ms_median": _median(ttfts),
-            "ttft_ms_mean": _mean(ttfts),
-            "f1": _mean([r.f1 for r in recs]),
-            "agreement_with_full": _mean([float(r.agrees) for r in recs]),
-            "first_token_kl_mean": _mean([r.first_token_kl for r in recs]),
-            "answer_kl_mean": _mean([r.answer_kl for r in recs]),
-            "recomputed_fraction_mean": _mean([r.recomputed_fraction for r in recs]),
+            "ttft_ms_median": median(ttfts),
+            "ttft_ms_mean": mean(ttfts),
+            "f1": mean([r.f1 for r in recs]),
+            "agreement_with_full": mean([float(r.agrees) for r in recs]),
+            "first_token_kl_mean": mean([r.first_token_kl for r in recs]),
+            "answer_kl_mean": mean([r.answer_kl for r in recs]),
+            "recomputed_fraction_mean": mean([r.recomputed_fraction for r in recs]),
+            "decode_tokens_per_s": median(
+                [r.decode_tokens_per_s for r in recs if not math.isnan(r.decode_tokens_per_s)]
+            ),
             "n": len(recs),
         }
     ref = records[ref_name]
@@ -131,11 +151,9 @@ def summarize(records: dict[str, list[Record]], ref_name: str, warmup_s: float, 
     for name, recs in records.items():
         if name == ref_name:
             continue
-        ratios = [_median(a.ttft_ms) / _median(b.ttft_ms) for a, b in zip(ref, recs)]
-        speedup[name] = _median(ratios)
-    answers = [
-        {name: recs[i].answer for name, recs in records.items()} for i in range(n)
-    ]
+        ratios = [median(a.ttft_ms) / median(b.ttft_ms) for a, b in zip(ref, recs)]
+        speedup[name] = median(ratios)
+    answers = [{name: recs[i].answer for name, recs in records.items()} for i in range(n)]
     return {
         "modes": modes,
         "speedup_vs_full": speedup,

@@ -2,17 +2,28 @@
 
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import FusionResult, Segment, fuse
-from ragblend.fusion.selectors import SELECTORS, CheckLayer, TokenSelector, make_selector
+from ragblend.fusion.selectors import (
+    SELECTORS,
+    CheckLayer,
+    TokenSelector,
+    make_selector,
+    register_selector,
+)
+from ragblend.fusion.trace import FusionTrace, PreRopeCapture, SelectionTrace
 
 __all__ = [
     "SELECTORS",
     "CheckLayer",
     "FusionResult",
+    "FusionTrace",
+    "PreRopeCapture",
     "RowAttentionPlan",
     "Segment",
+    "SelectionTrace",
     "TokenSelector",
     "attend_rows",
     "fuse",
     "make_selector",
+    "register_selector",
     "position_mask",
 ]

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ragblend.errors import RagblendError
 from ragblend.models.adapters import LayerProjections
 
+if TYPE_CHECKING:
+    from ragblend.config import BlendConfig
+    from ragblend.fusion.rows import PromptRows
 
-@dataclass
+
+@dataclass(frozen=True)
 class CheckLayer:
     """What a selector sees at a check layer.
 
     ``candidates`` are local indices into ``active`` (the rows computed on this layer) that
-    have a cached KV and may be chosen; the properties give their fresh and cached pre-RoPE K
-    and V, [1, kv_heads, m, head_dim].
+    have a cached KV and may be chosen (not forced); the properties give their fresh and cached
+    pre-RoPE K and V, [1, kv_heads, m, head_dim].
     """
 
     layer: int
@@ -27,7 +33,25 @@ class CheckLayer:
     active: torch.Tensor  # original positions of the rows computed on this layer
     tail_start: int  # first position of the question (uncached tail)
     scaling: float
-    candidates: torch.Tensor | None = None
+    candidates: torch.Tensor  # local indices into ``active`` that may be chosen
+
+    @classmethod
+    def build(
+        cls,
+        layer: int,
+        proj: LayerProjections,
+        cached_k: torch.Tensor,
+        cached_v: torch.Tensor,
+        keys: torch.Tensor,
+        active: torch.Tensor,
+        rows: PromptRows,
+        scaling: float,
+    ) -> CheckLayer:
+        """The check layer for rows ``active`` of a prompt with ``rows``."""
+        candidates = (~rows.forced[active]).nonzero().squeeze(1)
+        return cls(
+            layer, proj, cached_k, cached_v, keys, active, rows.question_start, scaling, candidates
+        )
 
     @property
     def rows(self) -> torch.Tensor:
@@ -114,9 +138,6 @@ class QuestionAttentionSelector:
 
     name = "attention"
 
-    def __init__(self, deviation: str = "kv") -> None:
-        self.deviation = deviation
-
     def scores(self, check: CheckLayer) -> torch.Tensor:
         return check.question_attention()
 
@@ -136,7 +157,7 @@ class RandomSelector:
 
     name = "random"
 
-    def __init__(self, deviation: str = "kv", seed: int = 0) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
     def scores(self, check: CheckLayer) -> torch.Tensor:
@@ -156,21 +177,28 @@ def _relative_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).pow(2).sum(dim=(0, 1, 3)) / b.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
 
 
-SELECTORS: dict[str, type] = {
-    "kv-deviation": KVDeviationSelector,
-    "kv-relative": RelativeKVDeviationSelector,
-    "attention": QuestionAttentionSelector,
-    "kv-attention": DeviationTimesAttentionSelector,
-    "random": RandomSelector,
+SelectorFactory = Callable[["BlendConfig"], TokenSelector]
+
+SELECTORS: dict[str, SelectorFactory] = {
+    "kv-deviation": lambda config: KVDeviationSelector(config.deviation),
+    "kv-relative": lambda config: RelativeKVDeviationSelector(config.deviation),
+    "attention": lambda config: QuestionAttentionSelector(),
+    "kv-attention": lambda config: DeviationTimesAttentionSelector(config.deviation),
+    "random": lambda config: RandomSelector(),
 }
 
 
-def make_selector(name: str, deviation: str = "kv") -> TokenSelector:
-    from ragblend.errors import RagblendError
+def register_selector(name: str, factory: SelectorFactory) -> None:
+    """Make ``BlendConfig(selector=name)`` build its selector with ``factory(config)``."""
+    SELECTORS[name] = factory
 
+
+def make_selector(config: BlendConfig) -> TokenSelector:
+    """The selector ``config.selector`` names, built from ``config``."""
     try:
-        return SELECTORS[name](deviation=deviation)
+        factory = SELECTORS[config.selector]
     except KeyError:
         raise RagblendError(
-            f"unknown selector {name!r}; available: {', '.join(SELECTORS)}"
+            f"unknown selector {config.selector!r}; available: {', '.join(SELECTORS)}"
         ) from None
+    return factory(config)

@@ -1,0 +1,201 @@
+"""Chunk caches: the precompute context, keys, the exact prefix cache, precompute and lookup.
+
+A chunk's KV is computed once after a *precompute context* (``BlendConfig.precompute_context``)
+and stored (pre-RoPE K, V; packed to ``kv_dtype``) under a key of the model, dtypes,
+namespace, context ids and chunk ids. A prompt head (template + system prompt) is cached
+exactly, as full prefill computes it. :meth:`ChunkCache.lookup` turns a tokenised prompt
+into the fusor's segments plus the indices of the chunks that missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ragblend.config import BlendConfig
+from ragblend.errors import CorruptEntryError, RagblendError
+from ragblend.fusion.fusor import Segment, fuse
+from ragblend.fusion.layer_loader import LayerLoader
+from ragblend.fusion.trace import PreRopeCapture
+from ragblend.models.adapters import LayerwiseModel
+from ragblend.prompt import (
+    CANONICAL_FORMAT,
+    FILLER_PASSAGE,
+    PromptFormat,
+    TokenizedPrompt,
+    encode,
+    tokenize_prompt,
+)
+from ragblend.store.base import ChunkKV, KVStore
+from ragblend.store.keys import chunk_key
+from ragblend.store.quant import pack
+
+
+class ChunkCache:
+    """Keys, precompute and lookup of chunk KV for one model, config and store."""
+
+    def __init__(
+        self,
+        layers: LayerwiseModel,
+        tokenizer,
+        config: BlendConfig,
+        store: KVStore,
+        fingerprint: str,
+    ) -> None:
+        self.layers = layers
+        self.tokenizer = tokenizer
+        self.config = config
+        self.store = store
+        self.fingerprint = fingerprint
+        self._heads: dict[PromptFormat, list[int]] = {}
+        self._filler_ids: list[int] | None = None
+
+    # ------------------------------------------------------------------ contexts and keys
+    @property
+    def kv_dtype(self) -> str:
+        """Storage dtype of chunk KV ("auto" resolves to the compute dtype)."""
+        if self.config.kv_dtype == "auto":
+            return str(self.layers.dtype).removeprefix("torch.")
+        return self.config.kv_dtype
+
+    def head(self, prompt_format: PromptFormat) -> list[int]:
+        """Token ids before the first chunk (template head + system + user prefix)."""
+        head = self._heads.get(prompt_format)
+        if head is None:
+            head = tokenize_prompt(self.tokenizer, prompt_format, ["x"], "").head
+            self._heads[prompt_format] = head
+        return head
+
+    def context_ids(self, head: list[int]) -> list[int]:
+        """The ids each chunk is precomputed after, for prompts whose head is ``head``."""
+        kind = self.config.precompute_context
+        if kind == "prefix":
+            return list(head)
+        if kind == "canonical":  # independent of the user's template and system prompt
+            return self.head(CANONICAL_FORMAT)
+        if kind == "bos":
+            return head[:1]
+        if kind == "filler":
+            if self._filler_ids is None:
+                self._filler_ids = encode(self.tokenizer, FILLER_PASSAGE + "\n\n")
+            return list(head) + self._filler_ids
+        return []
+
+    def key(self, *, context_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+        """The store key of ``chunk_ids`` precomputed after ``context_ids``."""
+        return chunk_key(
+            fingerprint=self.fingerprint,
+            dtype=self.layers.dtype,
+            kv_dtype=self.kv_dtype,
+            namespace=self.config.namespace,
+            context_ids=context_ids,
+            chunk_ids=chunk_ids,
+        )
+
+    def prefix_key(self, head: Sequence[int]) -> str:
+        return self.key(context_ids=[], chunk_ids=head)
+
+    # ------------------------------------------------------------------ computing KV
+    def loader(self, segments: Sequence[Segment]) -> LayerLoader:
+        """The layer loader feeding ``segments``' cached K/V to the fusor."""
+        lay = self.layers
+        return LayerLoader(
+            [s.kv for s in segments],
+            [len(s) for s in segments],
+            lay.num_layers,
+            lay.num_kv_heads,
+            lay.head_dim,
+            lay.device,
+            lay.dtype,
+            prefetch=self.store.prefetch_depth,
+        )
+
+    def compute_kv(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
+        """Prefill ``ids`` after ``context_ids`` (served from the exact prefix cache); the KV
+        of ``ids`` only: pre-RoPE K and V, [layers, kv_heads, len(ids), head_dim]."""
+        context_len = len(context_ids)
+        segments = []
+        if context_ids:
+            segments.append(Segment("prefix", context_ids, self.prefix_kv(context_ids), exact=True))
+        segments.append(Segment("chunk", list(ids)))
+        capture = PreRopeCapture()
+        out = fuse(self.layers, segments, self.loader(segments), None, trace=capture)
+        k = torch.stack([k[0] for k in capture.keys]).contiguous()
+        v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
+        meta = {
+            "fingerprint": self.fingerprint,
+            "dtype": str(self.layers.dtype),
+            "tokens": len(ids),
+            "context": self.key(context_ids=context_ids, chunk_ids=[])[:16],
+        }
+        return ChunkKV(k=k, v=v, meta=meta)
+
+    def prefix_kv(self, head: list[int]) -> ChunkKV | None:
+        """Exact KV of a prompt head (computed once, then served from the store)."""
+        if not head:
+            return None
+        key = self.prefix_key(head)
+        kv = self.store.get(key)
+        if kv is None:
+            kv = self.compute_kv(head, [])
+            self.store.put(key, kv)
+        return kv
+
+    def precompute_ids(self, chunk_ids: Sequence[int], head: list[int]) -> bool:
+        """Precompute one tokenised chunk for prompts with ``head``; False if already stored."""
+        context_ids = self.context_ids(head)
+        key = self.key(context_ids=context_ids, chunk_ids=chunk_ids)
+        if key in self.store:
+            return False
+        try:
+            kv = self.compute_kv(list(chunk_ids), context_ids)
+        except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
+            kv = self.compute_kv(list(chunk_ids), context_ids)
+        self.store.put(key, pack(kv, self.kv_dtype))
+        return True
+
+    def precompute(self, texts: Iterable[str], head: list[int]) -> int:
+        """Precompute each chunk text; returns how many were newly stored."""
+        stored = 0
+        window = self.layers.context_window
+        for text in texts:
+            ids = encode(self.tokenizer, text)
+            if not ids:
+                raise RagblendError("cannot precompute an empty chunk")
+            n = len(self.context_ids(head)) + len(ids)
+            if window and n > window:
+                raise RagblendError(
+                    f"chunk with its precompute context has {n} tokens, more than the model's "
+                    f"context window of {window}"
+                )
+            stored += self.precompute_ids(ids, head)
+        return stored
+
+    def is_cached(self, text: str, head: list[int]) -> bool:
+        ids = encode(self.tokenizer, text)
+        return self.key(context_ids=self.context_ids(head), chunk_ids=ids) in self.store
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, prompt: TokenizedPrompt) -> tuple[list[Segment], list[int]]:
+        """The prompt as fusor segments (head exact, chunks with their stored KV or none,
+        separators and tail uncached) and the indices of the chunks that missed."""
+        context_ids = self.context_ids(prompt.head)
+        segments = [Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True)]
+        missing = []
+        for i, chunk in enumerate(prompt.chunks):
+            if i and prompt.separator:
+                segments.append(Segment("separator", prompt.separator))
+            kv = self.store.get(self.key(context_ids=context_ids, chunk_ids=chunk))
+            if kv is None:
+                missing.append(i)
+            segments.append(Segment("chunk", chunk, kv))
+        segments.append(Segment("tail", prompt.tail))
+        return segments, missing
+
+    def prefix_segments(self, prompt: TokenizedPrompt) -> list[Segment]:
+        """Exact prefix cache, everything after it uncached (``prefix`` mode)."""
+        return [
+            Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True),
+            Segment("rest", prompt.ids[len(prompt.head) :]),
+        ]

@@ -1,0 +1,309 @@
+"""Generation after a prefill: sampling parameters, next-token choice, the decode loop, streams.
+
+In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams`, a pure
+:func:`next_token`, and :func:`decode_tokens`, which decodes into a preallocated cache (HF's
+``StaticCache``) so each new token is written in place instead of concatenated onto every
+layer's K/V (``DynamicCache`` copies the whole context per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ragblend.errors import RagblendError
+
+
+@dataclass
+class BlendStats:
+    """What one request did: timings, token counts, cache hits and how much was recomputed.
+
+    ``mode`` is the mode that actually ran: a blend/reuse request that ends as a full prefill
+    (nothing to fuse, or the loading controller's fallback) says ``"full"`` and gives the
+    reason in ``fallback_reason``.
+    """
+
+    mode: str
+    ttft_ms: float = 0.0
+    load_ms: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    chunk_tokens: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    recomputed_fraction: float = 1.0
+    ratio: float | None = None
+    finish_reason: str = ""
+    decode_ms: float = 0.0
+    fallback_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Prefill:
+    """The prompt's first-token logits [vocab] (fp32) and an HF cache of the whole prompt."""
+
+    logits: torch.Tensor
+    cache: object
+    prompt_ids: list[int]
+    stats: BlendStats
+    fusion: object | None = None  # the FusionResult, for fused modes
+
+    def copy(self) -> Prefill:
+        """An independent copy (teacher forcing mutates the cache; decoding does not)."""
+        cache = copy.deepcopy(self.cache)
+        return Prefill(self.logits, cache, self.prompt_ids, copy.copy(self.stats), self.fusion)
+
+
+@dataclass
+class BlendResult:
+    text: str
+    token_ids: list[int]
+    stats: BlendStats
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` is greedy; ``max_new_tokens=None`` means
+    the engine's ``config.max_new_tokens``."""
+
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise RagblendError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise RagblendError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RagblendError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RagblendError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class _Sampler:
+    """Next-token choice for one request (holds the RNG and the HF logits warpers)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.params = params
+        self.warpers = LogitsProcessorList()
+        if not params.greedy:
+            self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                self.warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(params.top_p))
+        seed = params.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        """The next token from ``logits`` [vocab]; ``history`` is the ids so far."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        scores = self.warpers(torch.tensor([history]), logits.view(1, -1).float().cpu())
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def decode_cache(model: torch.nn.Module, prompt_cache, total_len: int):
+    """A cache for decoding that holds ``prompt_cache``'s K/V and room for ``total_len`` tokens.
+
+    Where every layer can hold ``total_len`` tokens (full attention, or a sliding window no
+    shorter than that), a preallocated ``StaticCache``: new tokens are written in place and the
+    prompt cache is left as it is. Otherwise (a window shorter than the sequence, or more
+    tokens than the model's positions) a deep copy that grows as before.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    def fits(layer) -> bool:
+        if type(layer) is DynamicLayer:
+            return True
+        return type(layer) is DynamicSlidingWindowLayer and total_len <= layer.sliding_window
+
+    layers = getattr(prompt_cache, "layers", None)
+    window = getattr(model.config, "max_position_embeddings", None) or total_len
+    if not layers or total_len > window or not all(fits(layer) for layer in layers):
+        return copy.deepcopy(prompt_cache)
+    static = StaticCache(config=model.config, max_cache_len=total_len)
+    for index, layer in enumerate(layers):
+        static.update(layer.keys, layer.values, index)
+    return static
+
+
+def decode_tokens(
+    model: torch.nn.Module,
+    prefill: Prefill,
+    params: SamplingParams,
+    max_new_tokens: int,
+    eos_ids: set[int],
+) -> Iterator[int]:
+    """Yield generated token ids after ``prefill`` (EOS excluded); updates ``prefill.stats``.
+
+    ``prefill.cache`` is not modified: decoding runs in its own preallocated cache.
+    """
+    stats = prefill.stats
+    stats.finish_reason = "length"
+    if max_new_tokens <= 0:
+        return
+    sample = _Sampler(params)
+    history = list(prefill.prompt_ids) if not params.greedy else []
+    device = prefill.logits.device if prefill.logits.is_cuda else model.device
+    cache = decode_cache(model, prefill.cache, len(prefill.prompt_ids) + max_new_tokens)
+    logits = prefill.logits
+    for step in range(max_new_tokens):
+        token = sample(logits, history)
+        if token in eos_ids:
+            stats.finish_reason = "stop"
+            return
+        stats.completion_tokens += 1
+        yield token
+        if step + 1 == max_new_tokens:
+            return
+        if not params.greedy:  # only the logits warpers read the history
+            history.append(token)
+        with torch.inference_mode():
+            out = model(
+                input_ids=torch.tensor([[token]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+        logits = out.logits[0, -1].float()
+
+
+class BlendStream:
+    """Text deltas of one generation: iterate, ``async for``, or :meth:`collect`.
+
+    ``result`` is set once the stream is exhausted or closed. ``close()`` stops decoding early
+    (e.g. on a stop sequence); ``result`` then holds what was generated so far, with
+    ``finish_reason == "stop"``.
+    """
+
+    def __init__(self, run: Callable[[BlendStream], Iterator[str]]) -> None:
+        self.result: BlendResult | None = None
+        self._deltas = run(self)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        """Each step runs in a worker thread, so the event loop is never blocked."""
+        done = object()
+        try:
+            while True:
+                delta = await asyncio.to_thread(next, self._deltas, done)
+                if delta is done:
+                    return
+                yield delta  # type: ignore[misc]
+        finally:
+            self.close()
+
+    def collect(self) -> BlendResult:
+        """Run to the end and return the result."""
+        for _ in self._deltas:
+            pass
+        assert self.result is not None
+        return self.result
+
+    def close(self) -> None:
+        self._deltas.close()
+
+
+def text_deltas(tokenizer, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
+    """Decode ``tokens`` incrementally into text deltas; appends each id to ``out``."""
+    text = ""
+    for token in tokens:
+        out.append(token)
+        new_text = tokenizer.decode(out, skip_special_tokens=True)
+        if new_text.endswith("\ufffd"):
+            continue  # incomplete multi-byte character
+        if len(new_text) > len(text):
+            yield new_text[len(text) :]
+            text = new_text
+    final = tokenizer.decode(out, skip_special_tokens=True)
+    if len(final) > len(text):
+        yield final[len(text) :]
+
+
+class Decoder:
+    """Turns a prefill into a :class:`BlendStream` of text (one request's decoding setup)."""
+
+    def __init__(
+        self, model, tokenizer, eos_ids: set[int], params: SamplingParams, max_new_tokens: int
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+
+    def stream(
+        self, prefill: Callable[[], Prefill], lock: threading.Lock, started: float | None = None
+    ) -> BlendStream:
+        """A stream that, from its first step, holds ``lock``, runs ``prefill()`` and decodes;
+        the lock is released when the stream is exhausted, closed or garbage-collected.
+        ``started`` (a perf_counter value) backdates TTFT, e.g. to include tokenisation."""
+
+        def run(stream: BlendStream) -> Iterator[str]:
+            with lock:
+                t0 = time.perf_counter()
+                pre = prefill()
+                pre.stats.ttft_ms = (time.perf_counter() - (started or t0)) * 1000
+                t0 = time.perf_counter()
+                tokens: list[int] = []
+                try:
+                    ids = decode_tokens(
+                        self.model, pre, self.params, self.max_new_tokens, self.eos_ids
+                    )
+                    yield from text_deltas(self.tokenizer, ids, tokens)
+                except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)
+                    pre.stats.finish_reason = "stop"
+                    raise
+                finally:
+                    pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    stream.result = BlendResult(text=text, token_ids=tokens, stats=pre.stats)
+
+        return BlendStream(run)
+
+
+def teacher_forced_logits(
+    model: torch.nn.Module, prefill: Prefill, answer_ids: list[int]
+) -> torch.Tensor:
+    """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
+    rows = [prefill.logits.view(1, -1)]
+    if len(answer_ids) > 1:
+        with torch.inference_mode():
+            out = model(
+                input_ids=torch.tensor([answer_ids[:-1]], device=prefill.logits.device),
+                past_key_values=copy.deepcopy(prefill.cache),
+                use_cache=True,
+            )
+        rows.append(out.logits[0].float())
+    return torch.cat(rows, dim=0)
