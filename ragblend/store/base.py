@@ -72,7 +72,12 @@ class KVEntry(Protocol):
         ...
 
     def materialize(self) -> ChunkKV:
-        """Every layer in memory, verified."""
+        """Every layer in memory, verified, in the compute dtype."""
+        ...
+
+    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors a tier persists for layer ``index`` (``{"k", "v"}``, plus scales for a
+        quantised entry); ``ragblend.store.quant.decode_layer(meta, ...)`` reads them back."""
         ...
 
 
@@ -126,3 +131,8 @@ class KVStore(Protocol):
     def __contains__(self, key: str) -> bool: ...
 
     def close(self) -> None: ...
+
+    def drop_page_cache(self) -> bool:
+        """Ask the OS to forget the tier's files (cold reads); False where that is impossible
+        or the tier keeps nothing in files (RAM)."""
+        ...
