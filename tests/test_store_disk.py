@@ -14,8 +14,15 @@ from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import CorruptEntryError
-from ragblend.store import ChunkKV, DiskStore, MemoryStore, PromotingKV, TieredStore, make_store
-from ragblend.store import codec
+from ragblend.store import (
+    ChunkKV,
+    DiskStore,
+    MemoryStore,
+    PromotingKV,
+    TieredStore,
+    codec,
+    make_store,
+)
 
 
 def make_engine(family, tokenizer, store, seed=0, dtype=torch.float32) -> BlendEngine:
@@ -247,9 +254,7 @@ def test_damaged_entry_is_a_miss_and_the_answer_equals_a_run_without_it(
     assert greedy(engine, damaged, 6) == greedy(engine, clean, 6)
 
 
-def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(
-    tokenizer, tmp_path
-):
+def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tokenizer, tmp_path):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS[:2])

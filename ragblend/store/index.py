@@ -159,9 +159,20 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ entries
     def get(self, key: str) -> IndexEntry | None:
+        """The entry's row, or None; a malformed row is deleted (its file becomes an orphan
+        that ``gc`` collects) and is a miss."""
+
         def op(con):
             row = con.execute(f"SELECT {_COLUMNS} FROM entries WHERE key=?", (key,)).fetchone()
-            return None if row is None else IndexEntry(*row)
+            if row is None:
+                return None
+            entry = _entry_of(row)
+            if entry is None:
+                log.warning("KV index %s: malformed row for %s… dropped", self.path, key[:16])
+                with _transaction(con):
+                    con.execute("DELETE FROM entries WHERE key=?", (key,))
+                    _set_bytes(con)
+            return entry
 
         return self._run(op, None)
 
@@ -184,10 +195,11 @@ class DiskIndex:
         """Entries, least recently used first (one indexed query)."""
         return self._run(
             lambda con: [
-                IndexEntry(*row)
+                entry
                 for row in con.execute(
                     f"SELECT {_COLUMNS} FROM entries ORDER BY stamp LIMIT ?", (limit,)
                 )
+                if (entry := _entry_of(row)) is not None
             ],
             [],
         )
@@ -231,8 +243,12 @@ class DiskIndex:
                 if row is None or (file is not None and row[1] != file):
                     return None
                 con.execute("DELETE FROM entries WHERE key=?", (key,))
-                _incr(con, "bytes", -int(row[2]))
-                return IndexEntry(*row)
+                entry = _entry_of(row)
+                if entry is None:
+                    _set_bytes(con)
+                else:
+                    _incr(con, "bytes", -entry.bytes)
+                return entry
 
         return self._run(op, None)
 
@@ -287,6 +303,18 @@ class _transaction:
                 self.con.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+
+
+_TYPES: tuple = (str, str, int, int, str, str, str, str, int, (int, float))
+
+
+def _entry_of(row: tuple) -> IndexEntry | None:
+    """The row as an ``IndexEntry``, or None when any field has the wrong type or no file."""
+    if len(row) != len(_TYPES) or not row[1]:
+        return None
+    if any(not isinstance(value, t) for value, t in zip(row, _TYPES)):
+        return None
+    return IndexEntry(*row)
 
 
 def _row(e: IndexEntry) -> tuple:
