@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True)
 class ChunkKV:
@@ -34,8 +36,13 @@ class ChunkKV:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, [kv_heads, tokens, head_dim] (views: do not modify)."""
-        return self.k[index], self.v[index]
+        """K and V of one layer, [kv_heads, tokens, head_dim], in the compute dtype (views
+        when stored in it: do not modify)."""
+        k, v = self.k[index], self.v[index]
+        compute = _FLOAT_DTYPES.get(self.meta.get("compute_dtype", ""))
+        if compute is not None and compute != k.dtype:  # packed to another float dtype
+            return k.to(compute), v.to(compute)
+        return k, v
 
     def materialize(self) -> ChunkKV:
         return self
