@@ -78,6 +78,20 @@ def from_stored(meta: dict, stacked: dict[str, torch.Tensor]) -> ChunkKV | Quant
     return QuantizedKV(tensors=dict(stacked), meta=meta)
 
 
+def kv_bytes_per_token(
+    kv_dtype: str, layers: int, kv_heads: int, head_dim: int, chunk_tokens: int
+) -> float:
+    """Stored bytes per token of a ``chunk_tokens``-token chunk in ``kv_dtype`` (K and V of
+    every layer, scales included; per-channel key scales are shared by the chunk's tokens)."""
+    values = 2 * layers * kv_heads * head_dim
+    if kv_dtype in FLOAT_KV_DTYPES:
+        return float(values * FLOAT_KV_DTYPES[kv_dtype].itemsize)
+    if kv_dtype == "int8":
+        scales = layers * kv_heads * (4 + 4 * head_dim / max(1, chunk_tokens))
+        return values + scales
+    raise RagblendError(f"kv_dtype {kv_dtype!r} is not supported for storage")
+
+
 def stored_bytes_per_token(entry: KVEntry) -> float:
     """Bytes the entry stores per token, every layer and the scales included."""
     return entry.nbytes / max(1, entry.num_tokens)
