@@ -58,7 +58,10 @@ class KVEntry(Protocol):
     layer by layer), remote, or quantised. ``layer(i)`` returns tensors in the compute dtype.
     """
 
-    meta: dict
+    @property
+    def meta(self) -> dict:
+        """JSON-able: ``fingerprint``, ``dtype``, ``context``, ``kv_dtype``, ``compute_dtype``."""
+        ...
 
     @property
     def num_tokens(self) -> int: ...

@@ -27,7 +27,7 @@ from ragblend.store.quant import dtype_name
 try:  # xxh3 is ~10x faster than blake2b; blake2b (stdlib) is the fallback
     import xxhash
 except ImportError:  # pragma: no cover - depends on the environment
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]
 
 FORMAT = "ragblend-kv"
 FORMAT_VERSION = 2  # v2: named per-layer tensors (scales), kv_dtype in the header
@@ -69,7 +69,7 @@ def _hasher(algorithm: str):
 
 def bytes_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor (no copy)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 @dataclass(frozen=True)

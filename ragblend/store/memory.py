@@ -53,16 +53,16 @@ class MemoryStore:
     def put(self, key: str, kv: KVEntry) -> None:
         if kv.nbytes > self.capacity_bytes:
             return
-        kv = in_memory(kv)
-        stored, compute = kv.meta.get("kv_dtype"), kv.meta.get("compute_dtype")
+        held = in_memory(kv)
+        stored, compute = held.meta.get("kv_dtype"), held.meta.get("compute_dtype")
         if stored and compute and stored != compute:
             self.prefetch_depth = 2
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
-            self._entries[key] = kv
-            self._bytes += kv.nbytes
+            self._entries[key] = held
+            self._bytes += held.nbytes
             while self._bytes > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes

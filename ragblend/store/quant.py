@@ -145,12 +145,12 @@ def in_memory(entry: KVEntry) -> ChunkKV | QuantizedKV:
 
 def to_cpu(entry: KVEntry) -> ChunkKV | QuantizedKV:
     """``entry`` in CPU memory, as stored."""
-    entry = in_memory(entry)
-    if isinstance(entry, ChunkKV):
-        if entry.k.device.type == "cpu":
-            return entry
-        return ChunkKV(entry.k.to("cpu"), entry.v.to("cpu"), entry.meta)
-    return QuantizedKV({n: t.to("cpu") for n, t in entry.tensors.items()}, entry.meta)
+    held = in_memory(entry)
+    if isinstance(held, ChunkKV):
+        if held.k.device.type == "cpu":
+            return held
+        return ChunkKV(held.k.to("cpu"), held.v.to("cpu"), held.meta)
+    return QuantizedKV({n: t.to("cpu") for n, t in held.tensors.items()}, held.meta)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

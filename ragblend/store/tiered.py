@@ -95,9 +95,9 @@ class TieredStore:
         return PromotingKV(entry, self.ram)
 
     def put(self, key: str, kv: KVEntry) -> None:
-        kv = to_cpu(kv)
-        self.ram.put(key, kv)
-        self.disk.put(key, kv)
+        held = to_cpu(kv)
+        self.ram.put(key, held)
+        self.disk.put(key, held)
         self.stats.count("puts")
 
     def discard(self, key: str) -> None:
