@@ -142,3 +142,25 @@ def test_the_lru_order_comes_from_one_query_over_the_stamp_index(tmp_path):
     with sqlite3.connect(store.index.path) as con:
         plan = con.execute("EXPLAIN QUERY PLAN SELECT key FROM entries ORDER BY stamp").fetchall()
     assert "entries_by_stamp" in str(plan)
+
+
+def test_an_index_that_cannot_be_opened_at_all_leaves_every_call_a_miss(
+    tokenizer, tmp_path, monkeypatch
+):
+    def broken(*args, **kwargs):
+        raise sqlite3.DatabaseError("file is not a database")
+
+    monkeypatch.setattr(sqlite3, "connect", broken)
+    store = DiskStore(tmp_path, 1 << 30, fsync=False)  # does not raise
+    store.put("k", random_kv())
+    assert "k" not in store and store.get("k") is None and len(store) == 0
+    assert not list(store.data_dir.glob("*/*.safetensors"))  # nothing written unindexed
+    engine = make_engine(tokenizer, store)
+    reference = make_engine(tokenizer, DiskStore(tmp_path / "other", 1 << 30, fsync=False))
+    monkeypatch.undo()
+    monkeypatch.setattr(sqlite3, "connect", broken)
+    got = engine.generate(QUESTION, CHUNKS, max_new_tokens=4)
+    monkeypatch.undo()
+    want = reference.generate(QUESTION, CHUNKS, max_new_tokens=4)
+    assert got.stats.chunk_misses == len(CHUNKS)
+    assert got.token_ids == want.token_ids
