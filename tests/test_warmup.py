@@ -68,7 +68,7 @@ def check_store(path: Path) -> DiskStore:
         entry = store.get(key)
         assert entry is not None
         entry.materialize()
-    files = [store.data_dir / json.loads(store.index.get("e:" + k))["file"] for k in store.keys()]
+    files = [store.data_dir / store.index.get(k).file for k in store.keys()]
     assert store.nbytes == sum(f.stat().st_size for f in files)
     return store
 
