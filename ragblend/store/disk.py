@@ -24,14 +24,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from ragblend.errors import CorruptEntryError
-from ragblend.store import codec
-from ragblend.store.base import ChunkKV, KVEntry, StoreStats
+from ragblend.store import codec, files
+from ragblend.store.base import KVEntry, StoreStats
 from ragblend.store.codec import EntryHeader, EntryInvalid, checksum_algorithm
+from ragblend.store.disk_entry import DiskChunkKV
 from ragblend.store.index import DiskIndex, IndexEntry
-from ragblend.store.quant import decode_layer, from_stored
 
 log = logging.getLogger(__name__)
 
@@ -45,77 +43,6 @@ def default_store_path() -> Path:
     from ragblend.paths import kv_dir
 
     return kv_dir()
-
-
-class DiskChunkKV:
-    """A disk entry (a ``KVEntry``); each layer is read, verified and decoded on demand.
-
-    The file stays open while the object lives, so an entry evicted meanwhile still reads.
-    """
-
-    def __init__(
-        self, store: DiskStore | None, key: str, path: Path, fd: int, header: EntryHeader
-    ) -> None:
-        self._store = store
-        self.key = key
-        self.path = path
-        self._fd = fd
-        self.header = header
-        self._full: ChunkKV | None = None
-        self.meta = {**header.entry_meta(), "tier": "disk"}
-
-    @property
-    def num_tokens(self) -> int:
-        return self.header.num_tokens
-
-    @property
-    def num_layers(self) -> int:
-        return self.header.num_layers
-
-    @property
-    def nbytes(self) -> int:
-        return self.header.data_bytes
-
-    def read_stored_into(self, index: int, out: dict[str, torch.Tensor]) -> None:
-        """Read layer ``index``'s stored tensors into ``out`` (see ``codec.empty_layer``);
-        ``CorruptEntryError`` (and the entry dropped) when it does not verify."""
-        try:
-            codec.read_layer_into(self._fd, self.header, index, out)
-        except EntryInvalid as exc:
-            if self._store is not None:
-                self._store._drop(self.key, self.path, str(exc))
-            raise CorruptEntryError(self.key, str(exc)) from None
-
-    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
-        out = codec.empty_layer(self.header)
-        self.read_stored_into(index, out)
-        return out
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer in the compute dtype, [kv_heads, tokens, head_dim]."""
-        if self._full is not None:
-            return self._full.layer(index)
-        return decode_layer(self.meta, self.stored_layer(index))
-
-    def materialize(self) -> ChunkKV:
-        """Every layer read, verified and decoded into one ChunkKV (cached on this object)."""
-        if self._full is None:
-            stacked = codec.empty_layer(self.header, self.num_layers)
-            for i in range(self.num_layers):
-                self.read_stored_into(i, {n: t[i] for n, t in stacked.items()})
-            self._full = from_stored(dict(self.meta), stacked).materialize()
-        return self._full
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class DiskStore:
@@ -148,7 +75,9 @@ class DiskStore:
         self.bytes_written = 0
         self._warned: set[tuple[str, str]] = set()
         self._warn_lock = threading.Lock()
-        self.index = DiskIndex(self.path / "index", rebuild=self._scan_entry_files)
+        self.index = DiskIndex(
+            self.path / "index", rebuild=lambda: files.scan_entry_files(self.data_dir)
+        )
 
     # ------------------------------------------------------------------ index views
     def _entry(self, key: str) -> dict | None:
@@ -205,7 +134,7 @@ class DiskStore:
         fd, header = opened
         self.index.touch(key)
         self._count("hits")
-        return DiskChunkKV(self, key, path, fd, header)
+        return DiskChunkKV(key, path, fd, header, lambda reason: self._drop(key, path, reason))
 
     def _open(self, key: str, entry: IndexEntry) -> tuple[int, EntryHeader] | None:
         """Open and check the file ``entry`` names; None when it vanished with its row."""
@@ -238,7 +167,7 @@ class DiskStore:
         if entry is not None and self.data_dir / entry.file != path:
             return  # the key was re-written meanwhile; leave the new file alone
         self.index.remove(key, path.relative_to(self.data_dir).as_posix())
-        _unlink(path)
+        files.unlink(path)
 
     def discard(self, key: str) -> None:
         """Remove an entry (no-op when absent)."""
@@ -264,9 +193,9 @@ class DiskStore:
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
             if self.fsync:
-                _fsync_dir(final.parent)
+                files.fsync_dir(final.parent)
         except OSError as exc:
-            _unlink(tmp)
+            files.unlink(tmp)
             self._write_failed(key, exc)
             return
         ident = codec.identity(kv)
@@ -280,7 +209,7 @@ class DiskStore:
             **ident,
         )
         if not self.index.add(entry):
-            _unlink(final)  # another process won the race (or the index is unusable)
+            files.unlink(final)  # another process won the race (or the index is unusable)
             return
         self.bytes_written += size
         self._count("puts")
@@ -315,7 +244,7 @@ class DiskStore:
                 if self.nbytes <= capacity:
                     break
                 if self.index.remove(entry.key, entry.file) is not None:
-                    _unlink(self.data_dir / entry.file)
+                    files.unlink(self.data_dir / entry.file)
                     self._count("evictions")
                     evicted += 1
         return evicted
@@ -356,7 +285,7 @@ class DiskStore:
         if opened is None:
             return "gone", ""
         fd, header = opened
-        entry_kv = DiskChunkKV(None, key, self.data_dir / entry.file, fd, header)
+        entry_kv = DiskChunkKV(key, self.data_dir / entry.file, fd, header)
         try:
             for i in range(entry_kv.num_layers):
                 entry_kv.stored_layer(i)
@@ -370,34 +299,6 @@ class DiskStore:
         """Move the index aside and rebuild it from the entry files; returns the entry count."""
         return self.index.rebuild()
 
-    def _scan_entry_files(self) -> Iterator[IndexEntry]:
-        """Index rows for every readable entry file, newest first (one per key)."""
-        files = sorted(self.data_dir.glob("*/*.safetensors"), key=_mtime, reverse=True)
-        for path in files:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                header = codec.read_header(fd)
-            except (EntryInvalid, OSError):
-                continue
-            finally:
-                os.close(fd)
-            m = header.meta
-            yield IndexEntry(
-                key=header.key,
-                file=f"{path.parent.name}/{path.name}",
-                bytes=header.file_size,
-                version=FORMAT_VERSION,
-                fingerprint=m["fingerprint"],
-                dtype=m["dtype"],
-                kv_dtype=m["kv_dtype"],
-                context=m["context"],
-                tokens=header.num_tokens,
-                created=_mtime(path),
-            )
-
     def gc(self, grace_s: float = 3600.0) -> dict:
         """Drop bad entries, orphan and stale temp files, and evict down to capacity.
 
@@ -406,59 +307,23 @@ class DiskStore:
         """
         report = self.verify(drop=True)
         referenced = {e.file for e in self.index.lru()}
-        now = time.time()
-        orphans = 0
-        for path in self.data_dir.glob("*/*.safetensors"):
-            rel = f"{path.parent.name}/{path.name}"
-            if rel not in referenced and now - _mtime(path) > grace_s:
-                _unlink(path)
-                orphans += 1
-        stale = 0
-        for path in self.tmp_dir.glob("*.tmp"):
-            if now - _mtime(path) > grace_s:
-                _unlink(path)
-                stale += 1
+        orphans = files.remove_old(files.entry_files(self.data_dir), grace_s, keep=referenced)
+        stale = files.remove_old(self.tmp_dir.glob("*.tmp"), grace_s)
         self.index.recount_bytes()
         evicted = self._evict()
         return {**report, "orphans": orphans, "stale_tmp": stale, "evicted": evicted}
 
     def drop_page_cache(self) -> bool:
-        """Ask the OS to drop this store's files from the page cache (for cold reads).
-
-        Returns False where ``posix_fadvise`` is unsupported (then reads may stay warm).
-        """
-        if not hasattr(os, "posix_fadvise"):
-            log.info("posix_fadvise is unsupported here: the page cache cannot be dropped")
-            return False
-        for path in self.data_dir.glob("*/*.safetensors"):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                return False
-            finally:
-                os.close(fd)
-        return True
+        """Ask the OS to drop this store's files from the page cache (for cold reads); False
+        where ``posix_fadvise`` is unsupported (then reads may stay warm)."""
+        return files.drop_page_cache(files.entry_files(self.data_dir))
 
     def disk_usage(self) -> dict:
         """Bytes of entry files, index and temp files actually on disk."""
-
-        def size(root: Path, pattern: str) -> int:
-            total = 0
-            for p in root.glob(pattern):
-                try:
-                    total += p.stat().st_size
-                except OSError:
-                    pass
-            return total
-
         return {
-            "data": size(self.data_dir, "*/*.safetensors"),
-            "index": size(self.path / "index", "*"),
-            "tmp": size(self.tmp_dir, "*"),
+            "data": files.total_size(files.entry_files(self.data_dir)),
+            "index": files.total_size((self.path / "index").glob("*")),
+            "tmp": files.total_size(self.tmp_dir.glob("*")),
         }
 
     def close(self) -> None:
@@ -466,30 +331,3 @@ class DiskStore:
 
     def __repr__(self) -> str:
         return f"DiskStore({str(self.path)!r}, capacity_bytes={self.capacity_bytes})"
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return time.time()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
