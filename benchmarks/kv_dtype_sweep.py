@@ -60,6 +60,24 @@ def load_times(store: DiskStore, dtypes: list[str], repeats: int, per_dtype: int
     }
 
 
+def int8_scheme_errors(engine: BlendEngine, cases, chunks: int = 4) -> dict:
+    """Relative error ||x - dequant(quant(x))|| / ||x|| of the embedded model's real pre-RoPE
+    K and V, for int8 scales per channel (over tokens) vs per token (over channels)."""
+    from ragblend.store.quant import quantize_int8
+
+    errors: dict[str, list[float]] = {}
+    texts = [c for case in cases for c in case.chunks][:chunks]
+    for text in texts:
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        kv = engine._compute_kv(ids, [])
+        for name, x in (("k", kv.k.float()), ("v", kv.v.float())):
+            for scheme, dim in (("per_channel", -2), ("per_token", -1)):
+                q, scale = quantize_int8(x, dim)
+                err = ((q.float() * scale - x).norm() / x.norm()).item()
+                errors.setdefault(f"{name}_{scheme}", []).append(err)
+    return {k: statistics.fmean(v) for k, v in errors.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dataset", required=True)
@@ -71,6 +89,11 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="float32,bfloat16,float16,int8")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--load-repeats", type=int, default=5)
+    ap.add_argument(
+        "--schemes",
+        action="store_true",
+        help="only compare int8 scale layouts on real chunk KV (no benchmark)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
@@ -82,6 +105,23 @@ def main() -> None:
     cases = load_cases(
         args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
     )[args.offset :]
+    if args.schemes:
+        errors = int8_scheme_errors(engine, cases)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kv_int8_schemes.json").write_text(
+            json.dumps(
+                {
+                    "relative_error": errors,
+                    "chunks": 4,
+                    "chunk_tokens": args.chunk_tokens,
+                    "dtype": args.dtype,
+                },
+                indent=2,
+            )
+        )
+        print(json.dumps(errors, indent=2))
+        return
     variants = [Variant("full", "full")]
     for d in dtypes:
         variants.append(Variant(f"{d} blend", "blend", {"kv_dtype": d}))
