@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="compute dtype")
     ap.add_argument("--kv-dtypes", default="float32,bfloat16,float16,int8")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--modes", default="blend,reuse", help="modes per kv_dtype (blend first)")
     ap.add_argument("--load-repeats", type=int, default=5)
     ap.add_argument(
         "--schemes",
@@ -123,16 +124,18 @@ def main() -> None:
         print(json.dumps(errors, indent=2))
         return
     variants = [Variant("full", "full")]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for d in dtypes:
-        variants.append(Variant(f"{d} blend", "blend", {"kv_dtype": d}))
-        variants.append(Variant(f"{d} reuse", "reuse", {"kv_dtype": d}))
+        for mode in modes:
+            variants.append(Variant(f"{d} {mode}", mode, {"kv_dtype": d}))
     results = run_benchmark(engine, cases, variants, 1, args.max_new_tokens)
     loads = load_times(store, dtypes, args.load_repeats, per_dtype=12)
     lay = engine.layers
     uncompressed = str(lay.dtype).removeprefix("torch.")
     table = {}
     for d in dtypes:
-        blend, reuse = results["modes"][f"{d} blend"], results["modes"][f"{d} reuse"]
+        blend = results["modes"][f"{d} blend"]
+        reuse = results["modes"].get(f"{d} reuse", dict.fromkeys(blend, float("nan")))
         table[d] = {
             "bytes_per_token": kv_bytes_per_token(
                 d, lay.num_layers, lay.num_kv_heads, lay.head_dim, args.chunk_tokens
