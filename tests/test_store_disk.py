@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import sqlite3
 
 import pytest
 import torch
@@ -13,8 +14,15 @@ from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import CorruptEntryError
-from ragblend.store import ChunkKV, DiskStore, MemoryStore, PromotingKV, TieredStore, make_store
-from ragblend.store import disk as disk_mod
+from ragblend.store import (
+    ChunkKV,
+    DiskStore,
+    MemoryStore,
+    PromotingKV,
+    TieredStore,
+    codec,
+    make_store,
+)
 
 
 def make_engine(family, tokenizer, store, seed=0, dtype=torch.float32) -> BlendEngine:
@@ -104,7 +112,7 @@ def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, to
     meta = store._entry(key)
     assert meta["fingerprint"] == engine.fingerprint
     assert meta["dtype"] == "torch.float32"
-    assert meta["version"] == disk_mod.FORMAT_VERSION
+    assert meta["version"] == codec.FORMAT_VERSION
     assert meta["context"] == engine.chunk_key(context_ids=engine.prompt_head(), chunk_ids=[])[:16]
     assert meta["tokens"] == len(tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"])
 
@@ -189,7 +197,7 @@ def _rewrite(store, key, kv, monkeypatch=None, version=None):
     tmp = path.with_suffix(".rewrite")
     with monkeypatch.context() as m:
         if version is not None:
-            m.setattr(disk_mod, "FORMAT_VERSION", version)
+            m.setattr(codec, "FORMAT_VERSION", version)
         store._write(tmp, key, kv)
     os.replace(tmp, path)
 
@@ -200,7 +208,7 @@ def _foreign(store, key, monkeypatch, other_kv):
 
 def _other_version(store, key, monkeypatch, other_kv):
     kv = store.get(key).materialize()
-    _rewrite(store, key, kv, monkeypatch, version=disk_mod.FORMAT_VERSION + 1)
+    _rewrite(store, key, kv, monkeypatch, version=codec.FORMAT_VERSION + 1)
 
 
 def _half_written(store, key):
@@ -208,9 +216,8 @@ def _half_written(store, key):
 
 
 def _index_version(store, key):
-    meta = store._entry(key)
-    meta["version"] = 0
-    store.index.set("e:" + key, json.dumps(meta))
+    with sqlite3.connect(store.index.path) as con:
+        con.execute("UPDATE entries SET version=0 WHERE key=?", (key,))
 
 
 DAMAGE = {
@@ -247,9 +254,7 @@ def test_damaged_entry_is_a_miss_and_the_answer_equals_a_run_without_it(
     assert greedy(engine, damaged, 6) == greedy(engine, clean, 6)
 
 
-def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(
-    tokenizer, tmp_path
-):
+def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tokenizer, tmp_path):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS[:2])

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ragblend.config import MODES, BlendConfig
+from ragblend.config import KV_DTYPES, MODES, BlendConfig
 
 
 def add_parser(sub) -> None:
@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})")
     p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
     p.add_argument("--repeats", type=int, default=3, help="TTFT repetitions per question")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.bench.plots import plot_ttft_vs_quality
     from ragblend.engine import BlendEngine
     from ragblend.errors import RagblendError
+    from ragblend.store.quant import kv_bytes_per_token
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -61,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["ratio"] = args.ratio
     if args.selector:
         overrides["selector"] = args.selector
+    if args.kv_dtype:
+        overrides["kv_dtype"] = args.kv_dtype
     config = BlendConfig(**overrides)
     store = None
     before = None
@@ -69,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
 
         path = args.store_path or tempfile.mkdtemp(prefix="ragblend-bench-kv-")
         store = make_store("disk", path=path)
-        drop = getattr(store, "drop_page_cache", None)
+        drop = store.drop_page_cache
 
         def before(variant):  # cold reads: no RAM tier, OS page cache dropped
-            if drop is not None and variant.mode in ("reuse", "blend"):
+            if variant.mode in ("reuse", "blend"):
                 drop()
 
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
@@ -92,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         "deviation": config.deviation,
         "precompute_context": config.precompute_context,
         "tier": args.tier,
+        "kv_dtype": engine.kv_dtype,
+        "kv_bytes_per_token": kv_bytes_per_token(
+            engine.kv_dtype, engine.layers.num_layers, engine.layers.num_kv_heads,
+            engine.layers.head_dim, args.chunk_tokens),
         "n": len(cases),
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,

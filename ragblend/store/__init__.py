@@ -5,24 +5,28 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from ragblend.store.base import ChunkKV, KVStore, StoreStats
+from ragblend.store.base import ChunkKV, KVEntry, KVStore, StoreStats
 from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskChunkKV, DiskStore
 from ragblend.store.keys import chunk_key, model_fingerprint
 from ragblend.store.memory import MemoryStore
+from ragblend.store.quant import QuantizedKV, pack
 from ragblend.store.tiered import PromotingKV, TieredStore
 
 __all__ = [
     "ChunkKV",
     "DiskChunkKV",
     "DiskStore",
+    "KVEntry",
     "KVStore",
     "MemoryStore",
     "PromotingKV",
+    "QuantizedKV",
     "StoreStats",
     "TieredStore",
     "chunk_key",
     "make_store",
     "model_fingerprint",
+    "pack",
 ]
 
 

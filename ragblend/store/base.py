@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True)
 class ChunkKV:
@@ -34,8 +36,13 @@ class ChunkKV:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, [kv_heads, tokens, head_dim] (views: do not modify)."""
-        return self.k[index], self.v[index]
+        """K and V of one layer, [kv_heads, tokens, head_dim], in the compute dtype (views
+        when stored in it: do not modify)."""
+        k, v = self.k[index], self.v[index]
+        compute = _FLOAT_DTYPES.get(self.meta.get("compute_dtype", ""))
+        if compute is not None and compute != k.dtype:  # packed to another float dtype
+            return k.to(compute), v.to(compute)
+        return k, v
 
     def materialize(self) -> ChunkKV:
         return self
@@ -51,7 +58,10 @@ class KVEntry(Protocol):
     layer by layer), remote, or quantised. ``layer(i)`` returns tensors in the compute dtype.
     """
 
-    meta: dict
+    @property
+    def meta(self) -> dict:
+        """JSON-able: ``fingerprint``, ``dtype``, ``context``, ``kv_dtype``, ``compute_dtype``."""
+        ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -72,7 +82,12 @@ class KVEntry(Protocol):
         ...
 
     def materialize(self) -> ChunkKV:
-        """Every layer in memory, verified."""
+        """Every layer in memory, verified, in the compute dtype."""
+        ...
+
+    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors a tier persists for layer ``index`` (``{"k", "v"}``, plus scales for a
+        quantised entry); ``ragblend.store.quant.decode_layer(meta, ...)`` reads them back."""
         ...
 
 
@@ -126,3 +141,8 @@ class KVStore(Protocol):
     def __contains__(self, key: str) -> bool: ...
 
     def close(self) -> None: ...
+
+    def drop_page_cache(self) -> bool:
+        """Ask the OS to forget the tier's files (cold reads); False where that is impossible
+        or the tier keeps nothing in files (RAM)."""
+        ...

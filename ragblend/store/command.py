@@ -18,16 +18,30 @@ def add_parser(sub) -> None:
         ("gc", "drop corrupt/foreign entries, orphan and stale temp files; evict to --max-bytes"),
     ):
         c = cmds.add_parser(name, help=text, description=text)
-        c.add_argument("--store-path", default=None,
-                       help="disk store (default: ragblend_home()/kv)")
+        c.add_argument(
+            "--store-path", default=None, help="disk store (default: ragblend_home()/kv)"
+        )
         c.add_argument("--json", action="store_true", help="print the report as JSON")
         if name == "verify":
             c.add_argument("--drop", action="store_true", help="drop the entries that fail")
+            c.add_argument(
+                "--rebuild",
+                action="store_true",
+                help="first move the index aside and rebuild it from the entry files",
+            )
         if name == "gc":
-            c.add_argument("--max-bytes", type=int, default=None,
-                           help="evict least recently used entries down to this size")
-            c.add_argument("--grace", type=float, default=3600.0,
-                           help="leave unindexed/temp files younger than this many seconds")
+            c.add_argument(
+                "--max-bytes",
+                type=int,
+                default=None,
+                help="evict least recently used entries down to this size",
+            )
+            c.add_argument(
+                "--grace",
+                type=float,
+                default=3600.0,
+                help="leave unindexed/temp files younger than this many seconds",
+            )
     p.set_defaults(func=run)
 
 
@@ -47,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
             report = stats(store)
             code = 0
         elif args.cache_command == "verify":
+            rebuilt = store.rebuild_index() if args.rebuild else None
             report = store.verify(drop=args.drop)
+            if rebuilt is not None:
+                report["rebuilt"] = rebuilt
             bad = report["corrupt"] + report["foreign"]
             report["dropped"] = bad if args.drop else 0
             code = 1 if bad and not args.drop else 0
@@ -66,6 +83,14 @@ def stats(store) -> dict:
     """Sizes and counters of a disk store (the RAM tier lives inside each process)."""
     from ragblend.store.disk import FORMAT_VERSION, checksum_algorithm
 
+    per_dtype: dict[str, dict] = {}
+    for entry in store.index.lru():
+        row = per_dtype.setdefault(entry.kv_dtype, {"entries": 0, "bytes": 0, "tokens": 0})
+        row["entries"] += 1
+        row["bytes"] += entry.bytes
+        row["tokens"] += entry.tokens
+    for row in per_dtype.values():
+        row["bytes_per_token"] = round(row["bytes"] / max(1, row["tokens"]), 1)
     return {
         "path": str(store.path),
         "format_version": FORMAT_VERSION,
@@ -75,6 +100,7 @@ def stats(store) -> dict:
             "disk": {"bytes": store.nbytes, "on_disk": store.disk_usage()},
             "ram": "per process (not persistent)",
         },
+        "kv_dtypes": per_dtype,
         "counters": store.counters(),
     }
 
@@ -88,21 +114,36 @@ def _print(command: str, report: dict, as_json: bool) -> None:
         c = report["counters"]
         lookups = c["hits"] + c["misses"]
         rate = f" ({c['hits'] / lookups:.0%} hits)" if lookups else ""
-        print(f"store      {report['path']} (format v{report['format_version']}, "
-              f"{report['checksum']})")
+        print(
+            f"store      {report['path']} (format v{report['format_version']}, "
+            f"{report['checksum']})"
+        )
         print(f"entries    {report['entries']}")
-        print(f"disk tier  {disk['bytes']:,} B of entries; on disk: data "
-              f"{disk['on_disk']['data']:,} B, index {disk['on_disk']['index']:,} B, "
-              f"temp {disk['on_disk']['tmp']:,} B")
+        print(
+            f"disk tier  {disk['bytes']:,} B of entries; on disk: data "
+            f"{disk['on_disk']['data']:,} B, index {disk['on_disk']['index']:,} B, "
+            f"temp {disk['on_disk']['tmp']:,} B"
+        )
         print("ram tier   per process (not persistent)")
-        print(f"lookups    {c['hits']} hits, {c['misses']} misses{rate}; "
-              f"{c['puts']} puts, {c['evictions']} evictions")
+        for name, row in sorted(report["kv_dtypes"].items()):
+            print(
+                f"kv_dtype   {name:<9} {row['entries']} entries, {row['bytes']:,} B, "
+                f"{row['bytes_per_token']:,.1f} B/token (file headers included)"
+            )
+        print(
+            f"lookups    {c['hits']} hits, {c['misses']} misses{rate}; "
+            f"{c['puts']} puts, {c['evictions']} evictions"
+        )
         return
+    if report.get("rebuilt") is not None:
+        print(f"rebuilt the index from {report['rebuilt']} entry files")
     print(f"ok {report['ok']}, corrupt {report['corrupt']}, foreign {report['foreign']}")
     for key, reason in report["errors"]:
         print(f"  {key[:16]}…  {reason}")
     if command == "verify" and report.get("dropped"):
         print(f"dropped {report['dropped']} entries")
     if command == "gc":
-        print(f"removed {report['orphans']} orphan files, {report['stale_tmp']} stale temp files; "
-              f"evicted {report['evicted']} entries")
+        print(
+            f"removed {report['orphans']} orphan files, {report['stale_tmp']} stale temp files; "
+            f"evicted {report['evicted']} entries"
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -13,7 +14,8 @@ KEY_VERSION = 2
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Hash of the model's config and a sample of its weights (tells random inits apart)."""
     h = hashlib.sha256()
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    config: Any = model.config
+    h.update(config.to_json_string(use_diff=False).encode())
     params = dict(model.named_parameters())
     for name in sorted(params)[:: max(1, len(params) // 8)]:
         sample = params[name].detach().reshape(-1)[:4096].to("cpu", torch.float32)

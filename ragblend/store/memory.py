@@ -5,19 +5,25 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ragblend.store.base import ChunkKV, StoreStats
+from ragblend.store.base import KVEntry, StoreStats
+from ragblend.store.quant import in_memory
 
 
 class MemoryStore:
-    """Thread-safe LRU keyed by chunk key, bounded by ``capacity_bytes`` of tensor data."""
+    """Thread-safe LRU keyed by chunk key, bounded by ``capacity_bytes`` of stored tensors.
+
+    Holds entries as stored (a quantised entry stays quantised); ``prefetch_depth`` turns 2 once
+    an entry needs decoding (another storage than compute dtype), so the layer loader decodes
+    on its reader thread instead of inside the fusion loop.
+    """
 
     tier = "ram"
-    prefetch_depth = 0
 
     def __init__(self, capacity_bytes: int = 4 << 30) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.stats = StoreStats()
-        self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
+        self.prefetch_depth = 0
+        self._entries: OrderedDict[str, KVEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -36,7 +42,7 @@ class MemoryStore:
         with self._lock:
             return list(self._entries)
 
-    def get(self, key: str) -> ChunkKV | None:
+    def get(self, key: str) -> KVEntry | None:
         with self._lock:
             kv = self._entries.get(key)
             if kv is not None:
@@ -44,15 +50,19 @@ class MemoryStore:
         self.stats.count("hits" if kv is not None else "misses")
         return kv
 
-    def put(self, key: str, kv: ChunkKV) -> None:
+    def put(self, key: str, kv: KVEntry) -> None:
         if kv.nbytes > self.capacity_bytes:
             return
+        held = in_memory(kv)
+        stored, compute = held.meta.get("kv_dtype"), held.meta.get("compute_dtype")
+        if stored and compute and stored != compute:
+            self.prefetch_depth = 2
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
-            self._entries[key] = kv
-            self._bytes += kv.nbytes
+            self._entries[key] = held
+            self._bytes += held.nbytes
             while self._bytes > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
@@ -64,6 +74,10 @@ class MemoryStore:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
+
+    def drop_page_cache(self) -> bool:
+        """Nothing of this tier is in files."""
+        return False
 
     def close(self) -> None:
         self.clear()

@@ -6,14 +6,17 @@ import threading
 
 import torch
 
-from ragblend.store.base import ChunkKV, StoreStats
+from ragblend.store import codec
+from ragblend.store.base import ChunkKV, KVEntry, StoreStats
 from ragblend.store.disk import DiskChunkKV, DiskStore
 from ragblend.store.memory import MemoryStore
+from ragblend.store.quant import decode_layer, from_stored, to_cpu
 
 
 class PromotingKV:
-    """A disk entry read layer by layer into one buffer; once every layer has been read (and
-    verified) the buffer is promoted to the RAM tier, so the next hit is a RAM hit.
+    """A disk entry read layer by layer into one buffer of its stored tensors; once every
+    layer has been read (and verified) the entry, as stored, is promoted to the RAM tier, so
+    the next hit is a RAM hit.
 
     Layers are still read lazily, so pipelined loading keeps overlapping disk reads with compute.
     """
@@ -23,8 +26,7 @@ class PromotingKV:
         self._ram = ram
         self.key = entry.key
         self.meta = entry.meta
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._stacked: dict[str, torch.Tensor] | None = None
         self._read: set[int] = set()
         self._lock = threading.Lock()
 
@@ -40,40 +42,35 @@ class PromotingKV:
     def nbytes(self) -> int:
         return self._entry.nbytes
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer (views into the promotion buffer: do not modify)."""
+    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer ``index`` as stored (views into the promotion buffer: do not modify)."""
         with self._lock:
-            if self._k is None:
-                shape = (self.num_layers, *self._entry.layer_shape)
-                self._k = torch.empty(shape, dtype=self._entry.dtype)
-                self._v = torch.empty_like(self._k)
+            if self._stacked is None:
+                self._stacked = codec.empty_layer(self._entry.header, self.num_layers)
+            layer = {name: t[index] for name, t in self._stacked.items()}
             if index not in self._read:
-                self._entry.read_layer_into(index, self._k[index], self._v[index])
+                self._entry.read_stored_into(index, layer)
                 self._read.add(index)
                 if len(self._read) == self.num_layers:
                     meta = {**self.meta, "tier": "ram"}
-                    self._ram.put(self.key, ChunkKV(self._k, self._v, meta))
+                    self._ram.put(self.key, from_stored(meta, self._stacked))
                     self._entry.close()
-            return self._k[index], self._v[index]
+            return layer
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer in the compute dtype (do not modify)."""
+        return decode_layer(self.meta, self.stored_layer(index))
 
     def materialize(self) -> ChunkKV:
         for i in range(self.num_layers):
-            self.layer(i)
-        return ChunkKV(self._k, self._v, dict(self.meta))
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.materialize().k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.materialize().v
+            self.stored_layer(i)
+        assert self._stacked is not None
+        return from_stored(dict(self.meta), self._stacked).materialize()
 
 
 class TieredStore:
     """RAM first, then disk (a disk hit is promoted to RAM once read); puts write through."""
 
-    tier = "tiered"
     tier = "tiered"
     prefetch_depth = 2
 
@@ -85,7 +82,7 @@ class TieredStore:
     def __contains__(self, key: str) -> bool:
         return key in self.ram or key in self.disk
 
-    def get(self, key: str) -> ChunkKV | PromotingKV | None:
+    def get(self, key: str) -> KVEntry | None:
         kv = self.ram.get(key)
         if kv is not None:
             self.stats.count("hits")
@@ -97,13 +94,10 @@ class TieredStore:
         self.stats.count("hits")
         return PromotingKV(entry, self.ram)
 
-    def put(self, key: str, kv: ChunkKV) -> None:
-        if isinstance(kv, (DiskChunkKV, PromotingKV)):
-            kv = kv.materialize()
-        if kv.k.device.type != "cpu":
-            kv = ChunkKV(kv.k.to("cpu"), kv.v.to("cpu"), kv.meta)
-        self.ram.put(key, kv)
-        self.disk.put(key, kv)
+    def put(self, key: str, kv: KVEntry) -> None:
+        held = to_cpu(kv)
+        self.ram.put(key, held)
+        self.disk.put(key, held)
         self.stats.count("puts")
 
     def discard(self, key: str) -> None:
