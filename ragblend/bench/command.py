@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tier", choices=("ram", "disk"), default="ram", help="where chunk KV lives")
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
     p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
     p.add_argument("--repeats", type=int, default=3, help="TTFT repetitions per question")
     p.add_argument("--max-new-tokens", type=int, default=32)
