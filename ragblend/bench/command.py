@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.errors import RagblendError
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    peer = "llamacpp" in modes  # optional llama.cpp baseline (ragblend.bench.llamacpp)
+    modes = [m for m in modes if m != "llamacpp"]
     for m in modes:
         if m not in MODES:
             raise RagblendError(f"unknown mode {m!r}; expected some of {', '.join(MODES)}")
@@ -79,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
     variants = [Variant(m, m) for m in modes]
     results = run_benchmark(engine, cases, variants, args.repeats, args.max_new_tokens, before)
+    if peer:
+        from ragblend.bench.llamacpp import run_peer
+        from ragblend.models.loading import embedded_gguf_path
+
+        ids = [engine.tokenize(c.question, c.chunks).ids for c in cases]
+        results["peers"] = {"llamacpp": run_peer(embedded_gguf_path(), ids, args.repeats)}
     results["settings"] = {
         "model": engine.name,
         "device": args.device,
