@@ -1,4 +1,4 @@
-"""The optional llama.cpp peer: a clear error without the package; with it, a cleared-cache prefill."""
+"""The optional llama.cpp peer: a clear error without it; with it, a cleared-cache prefill."""
 
 from __future__ import annotations
 
