@@ -52,6 +52,12 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, float]:
     steps = {
         "project(active)": lambda: m.project(1, hidden, cos[:, active], sin[:, active]),
         "rotate(all cached)": lambda: m.rotate(k_cached, cos, sin),
+        "rotate_(all, in place)": lambda: m.rotate_(k_cached.clone(), cos, sin),
+        "clone (cost in line above)": lambda: k_cached.clone(),
+        "scatter via index_copy_": lambda: (
+            k_full.index_copy_(2, active, proj.k),
+            v_cached.index_copy_(2, active, proj.v),
+        ),
         "rotate(active only)": lambda: m.rotate(
             k_cached[:, :, active], cos[:, active], sin[:, active]
         ),

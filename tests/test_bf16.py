@@ -108,3 +108,17 @@ def test_bf16_blend_at_ratio_one_is_as_close_to_fp32_as_hf_bf16_is(family, windo
         assert ours <= SLACK * hf + FLOOR, f"{name}: ours {ours:.4g} vs HF-bf16 {hf:.4g}"
     # And directly against HF bf16: the same greedy first token.
     assert int(out.logits.argmax()) == int(ref16.logits[0, -1].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_place_rope_gives_exactly_the_values_of_rope(family, dtype):
+    from ragblend.models.adapters import adapter_for
+
+    model = adapter_for(tiny_model(family, dtype=dtype))
+    positions = torch.arange(40)
+    k = torch.randn(1, model.num_kv_heads, 40, model.head_dim, dtype=dtype)
+    cos, sin = model.rope(positions, k)
+    expected = model.rotate(k, cos, sin)
+    got = model.rotate_(k.clone(), cos, sin)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
