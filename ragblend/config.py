@@ -50,7 +50,7 @@ class BlendConfig:
     precompute_context: PrecomputeContext = "prefix"
     mode: Mode = "blend"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     namespace: str | None = None
     kv_dtype: str = "auto"
     max_new_tokens: int = 64

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--store-bytes", type=int, default=None, help="disk store capacity in bytes")
     p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", help="float32 / bfloat16 / float16")
+    p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

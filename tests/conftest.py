@@ -25,10 +25,10 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def embedded_engine():
-    """The embedded SmolLM2-135M-Instruct engine (RAM store), shared by the whole session."""
-    from ragblend import BlendEngine
+    """The embedded SmolLM2-135M-Instruct engine (RAM store, fp32: the tight-tolerance gates)."""
+    from ragblend import BlendConfig, BlendEngine
 
-    return BlendEngine.from_pretrained("embedded")
+    return BlendEngine.from_pretrained("embedded", config=BlendConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from ragblend.bench.datasets import cut_to_tokens, load_cases
 from ragblend.bench.metrics import best_f1, f1_score, kl_divergence, normalize_answer
 from ragblend.cli import main
 from ragblend.errors import RagblendError
+from ragblend.models.dtype import resolve_dtype
 
 MODE_KEYS = {
     "ttft_ms_median",
@@ -96,6 +97,8 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     ):
         assert key in settings
     assert settings["top_k"] == 2 and settings["n"] == 1 and settings["tier"] == "ram"
+    # dtype "auto" is recorded resolved ("bfloat16" on AMX/AVX512-BF16 CPUs, else "float32").
+    assert settings["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")
     assert set(results["modes"]) == {"full", "prefix", "reuse", "blend"}
     for mode in results["modes"].values():
         assert MODE_KEYS <= set(mode)

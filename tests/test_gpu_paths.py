@@ -134,7 +134,8 @@ def test_cuda_embedded_model_blend_at_ratio_one_matches_full_prefill(strict_fp32
 
     try:
         engine = BlendEngine.from_pretrained("embedded", config=BlendConfig(ratio=1.0,
-                                                                            device="cuda"))
+                                                                            device="cuda",
+                                                                            dtype="float32"))
     except RagblendError as exc:
         pytest.skip(f"embedded model unavailable: {exc}")
     engine.precompute(CHUNKS)

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tier", choices=("ram", "disk"), default="ram", help="where chunk KV lives")
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})")
     p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.store.quant import kv_bytes_per_token
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    peer = "llamacpp" in modes  # optional llama.cpp baseline (ragblend.bench.llamacpp)
+    modes = [m for m in modes if m != "llamacpp"]
     for m in modes:
         if m not in MODES:
             raise RagblendError(f"unknown mode {m!r}; expected some of {', '.join(MODES)}")
@@ -84,6 +86,12 @@ def run(args: argparse.Namespace) -> int:
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
     variants = [Variant(m, m) for m in modes]
     results = run_benchmark(engine, cases, variants, args.repeats, args.max_new_tokens, before)
+    if peer:
+        from ragblend.bench.llamacpp import run_peer
+        from ragblend.models.loading import embedded_gguf_path
+
+        ids = [engine.tokenize(c.question, c.chunks).ids for c in cases]
+        results["peers"] = {"llamacpp": run_peer(embedded_gguf_path(), ids, args.repeats)}
     results["settings"] = {
         "model": engine.name,
         "device": args.device,

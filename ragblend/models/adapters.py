@@ -78,6 +78,21 @@ class LayerwiseModel:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return torch.addcmul(k_pre * cos, self._rotate_half(k_pre), sin)
 
+    def rotate_(self, k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE applied in place to pre-RoPE keys [1, H, T, d] (the same values as ``rotate``).
+
+        Saves the two T-row temporaries of ``rotate`` (``k * cos`` and ``rotate_half(k)``) for
+        callers that own ``k_pre`` (the fusor's per-request layer tensors); returns ``k_pre``.
+        """
+        half = k_pre.shape[-1] // 2
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        first = k_pre[..., :half].clone()
+        k_pre[..., :half].mul_(cos[..., :half]).addcmul_(
+            k_pre[..., half:], sin[..., :half], value=-1
+        )
+        k_pre[..., half:].mul_(cos[..., half:]).addcmul_(first, sin[..., half:])
+        return k_pre
+
     def sliding_window(self, layer: int) -> int | None:
         return None
 

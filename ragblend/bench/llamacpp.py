@@ -1,0 +1,147 @@
+"""llama.cpp as a benchmark peer: full-prefill TTFT on the same GGUF and the same prompt ids.
+
+Optional (``pip install -e ".[peer]"``, which builds llama-cpp-python from source). The peer gets
+exactly the token ids ragblend prefills (the piecewise-tokenised prompt), never text, and starts
+every measurement from an empty KV cache. Its AMX buffer types are off (``use_extra_bufts=False``):
+that path segfaults on these CPUs (upstream llama.cpp #20824).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragblend.errors import RagblendError
+
+# (n_batch, flash_attn) pairs tried per model; the best median over the first prompts is kept.
+SETTINGS: tuple[tuple[int, bool], ...] = ((512, False), (512, True), (2048, False), (2048, True))
+
+
+def available() -> bool:
+    """True when llama-cpp-python is importable."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class PeerSetting:
+    n_batch: int
+    flash_attn: bool
+
+
+class LlamaCppPeer:
+    """One llama.cpp context on a GGUF; ``ttft_ms(ids)`` = cleared-cache prefill + first token."""
+
+    def __init__(
+        self,
+        gguf: str | os.PathLike,
+        n_ctx: int,
+        setting: PeerSetting,
+        threads: int | None = None,
+    ) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise RagblendError(
+                "llama-cpp-python is not installed: pip install -e '.[peer]'"
+            ) from None
+        if not Path(gguf).is_file():
+            raise RagblendError(f"GGUF not found: {gguf}")
+        threads = threads or _torch_threads()
+        kwargs = dict(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=setting.n_batch,
+            n_ubatch=setting.n_batch,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=setting.flash_attn,
+            verbose=False,
+        )
+        if "use_extra_bufts" in inspect.signature(Llama.__init__).parameters:
+            kwargs["use_extra_bufts"] = False
+        self.setting = setting
+        self.llm = Llama(**kwargs)
+
+    def ttft_ms(self, ids: Sequence[int]) -> tuple[float, int]:
+        """(milliseconds, greedy first token) for a full prefill of ``ids`` from an empty cache."""
+        ids = [int(i) for i in ids]
+        start = time.perf_counter()
+        self.llm.reset()  # n_tokens = 0: eval() drops every cached position before decoding
+        self.llm.eval(ids)
+        first = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        return (time.perf_counter() - start) * 1000, first
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def best_setting(
+    gguf: str | os.PathLike,
+    prompts: Sequence[Sequence[int]],
+    n_ctx: int,
+    repeats: int = 2,
+    settings: Sequence[tuple[int, bool]] = SETTINGS,
+) -> tuple[PeerSetting, dict[str, float]]:
+    """The (n_batch, flash_attn) with the lowest median TTFT on ``prompts`` (a few suffice)."""
+    medians: dict[str, float] = {}
+    best: tuple[float, PeerSetting] | None = None
+    for n_batch, flash in settings:
+        setting = PeerSetting(n_batch, flash)
+        peer = LlamaCppPeer(gguf, n_ctx, setting)
+        try:
+            peer.ttft_ms(prompts[0])  # warm-up
+            times = [peer.ttft_ms(p)[0] for p in prompts for _ in range(repeats)]
+        finally:
+            peer.close()
+        med = statistics.median(times)
+        medians[f"n_batch={n_batch},flash_attn={flash}"] = med
+        if best is None or med < best[0]:
+            best = (med, setting)
+    assert best is not None
+    return best[1], medians
+
+
+def run_peer(
+    gguf: str | os.PathLike,
+    prompts: Sequence[Sequence[int]],
+    repeats: int = 3,
+    tune_on: int = 2,
+) -> dict:
+    """Per-question median TTFT of llama.cpp's full prefill at its best batch setting.
+
+    Returns ``{"ttft_ms": [...], "median_ttft_ms", "setting", "tuning"}`` (JSON-able).
+    """
+    if not prompts:
+        raise RagblendError("no prompts to run the llama.cpp peer on")
+    n_ctx = max(len(p) for p in prompts) + 16
+    setting, tuning = best_setting(gguf, prompts[:tune_on], n_ctx)
+    peer = LlamaCppPeer(gguf, n_ctx, setting)
+    try:
+        peer.ttft_ms(prompts[0])
+        per_question = [
+            statistics.median(peer.ttft_ms(p)[0] for _ in range(repeats)) for p in prompts
+        ]
+    finally:
+        peer.close()
+    return {
+        "ttft_ms": per_question,
+        "median_ttft_ms": statistics.median(per_question),
+        "setting": {"n_batch": setting.n_batch, "flash_attn": setting.flash_attn},
+        "tuning": tuning,
+        "use_extra_bufts": False,
+    }

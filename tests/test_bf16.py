@@ -1,0 +1,124 @@
+"""``dtype="auto"`` picks bf16 only where the hardware has it; ratio-1.0 blend in bf16 is HF's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from helpers import engine_for, hf_forward, layer_kv
+
+from ragblend import BlendConfig
+from ragblend.errors import RagblendError
+from ragblend.models import dtype as dtypes
+
+# bf16 has an 8-bit mantissa, so a 3-layer model's outputs differ from fp32 by ~1e-2 whichever
+# way the ops are ordered. The gate: our bf16 blend's error against the fp32 reference is at
+# most SLACK × HF-bf16's own error against it, plus FLOOR (for outputs HF gets almost exactly).
+SLACK = 1.5
+FLOOR = 2e-3
+
+WINDOWED = {
+    "mistral": {"sliding_window": 24},
+    "qwen2": {
+        "use_sliding_window": True,
+        "sliding_window": 24,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("capability", "flags", "expected"),
+    [
+        ("AVX512", {"avx512f", "avx512_bf16"}, torch.bfloat16),
+        ("AMX", {"amx_bf16", "amx_tile"}, torch.bfloat16),
+        ("AVX2", {"avx2", "avx512_bf16"}, torch.float32),  # torch does not dispatch AVX512
+        ("AVX512", {"avx512f"}, torch.float32),  # AVX512 without its bf16 extension
+        ("DEFAULT", set(), torch.float32),
+    ],
+)
+def test_auto_dtype_is_bf16_only_on_cpus_with_bf16_instructions(
+    monkeypatch, capability, flags, expected
+):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+    assert dtypes.resolve_dtype("auto", "cpu") == expected
+
+
+def test_auto_dtype_is_bf16_on_cuda_whatever_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert dtypes.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert dtypes.resolve_dtype("auto", "cuda:1") == torch.bfloat16
+
+
+def test_named_dtypes_resolve_and_unknown_ones_are_a_clear_error():
+    assert dtypes.resolve_dtype("float32") == torch.float32
+    assert dtypes.resolve_dtype("bfloat16", "cuda") == torch.bfloat16
+    assert dtypes.resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(RagblendError, match="unknown dtype 'fp8'.*auto"):
+        dtypes.resolve_dtype("fp8")
+
+
+def test_cpu_flags_read_from_proc_cpuinfo_are_a_set_of_names():
+    flags = dtypes.cpu_flags()
+    assert isinstance(flags, frozenset)
+    assert all(" " not in f for f in flags)
+
+
+def test_config_default_dtype_is_auto():
+    assert BlendConfig().dtype == "auto"
+
+
+def _outputs(out_logits, cache, num_layers) -> list[torch.Tensor]:
+    tensors = [out_logits.float().reshape(-1)]
+    for layer in range(num_layers):
+        tensors.extend(t.float() for t in layer_kv(cache, layer))
+    return tensors
+
+
+def _max_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
+    return [float((g - r).abs().max()) for g, r in zip(got, ref)]
+
+
+@pytest.mark.parametrize(
+    ("family", "windowed"),
+    [(f, False) for f in FAMILIES] + [(f, True) for f in WINDOWED],
+    ids=lambda p: p if isinstance(p, str) else ("window" if p else "full"),
+)
+def test_bf16_blend_at_ratio_one_is_as_close_to_fp32_as_hf_bf16_is(family, windowed, tokenizer):
+    overrides = WINDOWED.get(family, {}) if windowed else {}
+    model32 = tiny_model(family, **overrides)
+    model16 = tiny_model(family, dtype=torch.bfloat16, **overrides)
+    engine = engine_for(model16, tokenizer, ratio=1.0)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    layers = engine.layers.num_layers
+
+    ref32 = hf_forward(model32, prompt.ids)
+    ref16 = hf_forward(model16, prompt.ids)
+    out = engine.prefill(prompt, "blend")
+    assert out.stats.recomputed_fraction == 1.0
+    assert layer_kv(out.cache, 0)[0].dtype == torch.bfloat16
+
+    fp32 = _outputs(ref32.logits[0, -1], ref32.past_key_values, layers)
+    hf_err = _max_error(_outputs(ref16.logits[0, -1], ref16.past_key_values, layers), fp32)
+    our_err = _max_error(_outputs(out.logits, out.cache, layers), fp32)
+    names = ["logits"] + [f"{kv}{i}" for i in range(layers) for kv in ("k", "v")]
+    for name, ours, hf in zip(names, our_err, hf_err):
+        assert ours <= SLACK * hf + FLOOR, f"{name}: ours {ours:.4g} vs HF-bf16 {hf:.4g}"
+    # And directly against HF bf16: the same greedy first token.
+    assert int(out.logits.argmax()) == int(ref16.logits[0, -1].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_place_rope_gives_exactly_the_values_of_rope(family, dtype):
+    from ragblend.models.adapters import adapter_for
+
+    model = adapter_for(tiny_model(family, dtype=dtype))
+    positions = torch.arange(40)
+    k = torch.randn(1, model.num_kv_heads, 40, model.head_dim, dtype=dtype)
+    cos, sin = model.rope(positions, k)
+    expected = model.rotate(k, cos, sin)
+    got = model.rotate_(k.clone(), cos, sin)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
