@@ -10,8 +10,10 @@ import redis_server as fixtures
 import torch
 from redis_server import RedisServer
 
+from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.store import ChunkKV, make_store
+from ragblend.store import ChunkKV, DiskStore, KVStore, MemoryStore, make_store
+from ragblend.store.layered import LayeredStore
 from ragblend.store.quant import pack
 from ragblend.store.redis import HEADER, RedisStore, layer_field
 
@@ -213,3 +215,140 @@ def test_writes_are_asynchronous_and_pending_entries_are_served(redis_server):
     again = RedisStore(redis_server.url)
     assert torch.equal(again.get("l" * 64).layer(1)[0], kv.k[1])
     again.close()
+
+
+# ---------------------------------------------------------------------- with an engine
+def tiny_engine(tokenizer, store, namespace=None, seed=0) -> BlendEngine:
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=seed)
+    return BlendEngine(model, tokenizer, BlendConfig(namespace=namespace), store)
+
+
+def test_blend_through_redis_equals_blend_through_ram(redis_server, tokenizer):
+    from conftest import CHUNKS, QUESTION
+
+    ram = tiny_engine(tokenizer, MemoryStore())
+    remote = tiny_engine(tokenizer, RedisStore(redis_server.url))
+    for engine in (ram, remote):
+        engine.precompute(CHUNKS)
+    remote.store.flush()
+    prompt = ram.tokenize(QUESTION, CHUNKS)
+    want = ram.prefill(prompt, mode="blend")
+    got = remote.prefill(prompt, mode="blend")
+    assert got.stats.chunk_hits == len(CHUNKS) and got.stats.chunk_misses == 0
+    torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)
+    remote.store.close()
+
+
+def tenant_stores(kind: str, tmp_path, url: str) -> KVStore:
+    if kind == "ram":
+        return MemoryStore()
+    if kind == "disk":
+        return DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
+    if kind == "redis":
+        return RedisStore(url)
+    return LayeredStore(
+        [MemoryStore(), DiskStore(tmp_path / "kv2", 1 << 30, fsync=False), RedisStore(url)]
+    )
+
+
+@pytest.mark.parametrize("kind", ["ram", "disk", "redis", "ram+disk+redis"])
+def test_tenant_b_never_hits_tenant_a_entries(kind, redis_server, tokenizer, tmp_path):
+    """One store shared by two tenants' engines: the namespace in every key keeps them apart."""
+    from conftest import CHUNKS, QUESTION
+
+    store = tenant_stores(kind, tmp_path, redis_server.url)
+    a = tiny_engine(tokenizer, store, namespace="tenant-a")
+    b = tiny_engine(tokenizer, store, namespace="tenant-b")
+    assert a.precompute(CHUNKS) == len(CHUNKS)
+    if kind != "ram" and kind != "disk":
+        (store.tiers[-1] if isinstance(store, LayeredStore) else store).flush()
+    assert all(a.is_cached(c) for c in CHUNKS)
+    assert not any(b.is_cached(c) for c in CHUNKS)
+    prompt = b.tokenize(QUESTION, CHUNKS)
+    assert b.prefill(prompt, mode="blend").stats.chunk_hits == 0
+    assert a.prefill(prompt, mode="blend").stats.chunk_hits == len(CHUNKS)
+    assert b.precompute(CHUNKS) == len(CHUNKS)  # b computes its own copies
+    store.close()
+
+
+class KillingStore(RedisStore):
+    """Kills the server right after the query's lookups, before its layers are fetched."""
+
+    server: RedisServer
+    kill_after_gets = 0
+
+    def get(self, key):
+        entry = super().get(key)
+        self.kill_after_gets -= 1
+        if self.kill_after_gets == 0:
+            self.server.stop()
+        return entry
+
+
+def test_redis_killed_mid_query_answers_by_recomputing_and_hits_resume_after_restart(
+    tmp_path, tokenizer, caplog
+):
+    from conftest import CHUNKS, QUESTION
+
+    server = RedisServer(tmp_path).start()
+    store = KillingStore(server.url, retry_s=0.0, connect_timeout=0.5, socket_timeout=0.5)
+    store.server = server
+    engine = tiny_engine(tokenizer, store)
+    engine.precompute(CHUNKS)
+    store.flush()
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    cold = tiny_engine(tokenizer, MemoryStore()).prefill(prompt, mode="blend")  # all misses
+    store.kill_after_gets = 1 + len(CHUNKS)  # the prompt head and every chunk: all hits
+    with caplog.at_level(logging.WARNING, logger="ragblend.store.redis"):
+        killed = engine.prefill(prompt, mode="blend")
+        again = engine.prefill(prompt, mode="blend")
+    assert killed.stats.chunk_misses == len(CHUNKS) and again.stats.chunk_misses == len(CHUNKS)
+    torch.testing.assert_close(killed.logits, cold.logits, atol=1e-5, rtol=0)
+    assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
+    server.start()  # empty after the restart: warm it again, then hits resume
+    engine.precompute(CHUNKS)
+    store.flush()
+    assert engine.prefill(prompt, mode="blend").stats.chunk_hits == len(CHUNKS)
+    store.close()
+    server.stop()
+
+
+def test_corrupted_value_mid_query_is_a_miss_and_the_answer_equals_a_cold_run(
+    redis_server, tokenizer
+):
+    from conftest import CHUNKS, QUESTION
+
+    store = RedisStore(redis_server.url)
+    engine = tiny_engine(tokenizer, store)
+    engine.precompute(CHUNKS)
+    store.flush()
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    key = engine.chunk_key(prompt.chunks[1], engine._context_ids(prompt.head))
+    name = store.redis_key(key)
+    blob = bytearray(store._client.hget(name, layer_field(2)))
+    blob[len(blob) // 2] ^= 0x01
+    store._client.hset(name, layer_field(2), bytes(blob))
+    damaged = engine.prefill(prompt, mode="blend")
+    assert damaged.stats.chunk_misses == 1 and key not in store
+    clean = engine.prefill(prompt, mode="blend")  # the entry is simply absent now
+    torch.testing.assert_close(damaged.logits, clean.logits, atol=0, rtol=0)
+    store.close()
+
+
+def test_layered_chain_promotes_a_redis_hit_to_ram_and_disk(redis_server, tokenizer, tmp_path):
+    remote = RedisStore(redis_server.url)
+    kv = entry()
+    written(remote, "n" * 64, kv)
+    ram, disk = MemoryStore(), DiskStore(tmp_path, 1 << 30, fsync=False)
+    chain = LayeredStore([ram, disk, remote])
+    assert chain.tier == "ram+disk+redis" and chain.prefetch_depth == remote.prefetch_depth
+    got = chain.get("n" * 64)
+    got.layer(0)
+    assert "n" * 64 not in ram  # partly read: not promoted yet
+    assert torch.equal(got.materialize().v, kv.v)
+    assert "n" * 64 in ram and "n" * 64 in disk
+    assert torch.equal(chain.get("n" * 64).layer(1)[0], kv.k[1])  # served from RAM now
+    assert remote.stats.hits == 1
+    chain.close()
