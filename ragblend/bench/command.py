@@ -21,7 +21,11 @@ def add_parser(sub) -> None:
                    help=f"blend recompute ratio (default: engine default {defaults.ratio})")
     p.add_argument("--selector", default=None,
                    help=f"token selector (default: engine default {defaults.selector})")
-    p.add_argument("--tier", choices=("ram", "disk"), default="ram", help="where chunk KV lives")
+    p.add_argument("--tier", choices=("ram", "disk", "redis"), default="ram",
+                   help="where chunk KV lives")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="--tier redis: redis:// rediss:// or unix:// URL")
+    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["ratio"] = args.ratio
     if args.selector:
         overrides["selector"] = args.selector
+    if args.namespace:
+        overrides["namespace"] = args.namespace
     config = BlendConfig(**overrides)
     store = None
     before = None
@@ -68,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
             if drop is not None and variant.mode in ("reuse", "blend"):
                 drop()
 
+    if args.tier == "redis":
+        from ragblend.store import make_store
+
+        store = make_store("redis", url=args.redis_url, namespace=args.namespace)
+        before = lambda variant: store.flush()  # noqa: E731  (measure reads from Redis)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
     variants = [Variant(m, m) for m in modes]
@@ -85,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "deviation": config.deviation,
         "precompute_context": config.precompute_context,
         "tier": args.tier,
+        "namespace": args.namespace,
         "n": len(cases),
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
