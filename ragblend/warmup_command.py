@@ -32,9 +32,13 @@ def add_parser(sub) -> None:
     src.add_argument("--chroma-path", help="Chroma persistent directory")
     src.add_argument("--collection", help="Chroma collection name (with --chroma-path)")
     p.add_argument("--top-k", type=int, default=6, help="dataset: chunks per question (first k)")
-    p.add_argument("--chunk-tokens", type=int, default=None,
-                   help="cut each chunk to N tokens (dataset default 512, like the bench; "
-                        "Chroma documents are kept whole unless given)")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="cut each chunk to N tokens (dataset default 512, like the bench; "
+        "Chroma documents are kept whole unless given)",
+    )
     p.add_argument("--limit", type=int, default=None, help="dataset: first N questions")
     p.add_argument("--store-path", default=None, help="disk store (default: ragblend_home()/kv)")
     p.add_argument("--store-bytes", type=int, default=None, help="disk store capacity in bytes")
@@ -42,21 +46,31 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--redis-url", default=None,
-                   help="write into the shared Redis/Valkey tier (redis://, rediss://, unix://)")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="write into the shared Redis/Valkey tier (redis://, rediss://, unix://)",
+    )
     p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
     ray = p.add_argument_group("Ray (distributed precompute into --redis-url)")
-    ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                     help="run on Ray: a cluster address ('auto', 'ray://host:10001') or none "
-                          "for a local instance")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray: a cluster address ('auto', 'ray://host:10001') or none "
+        "for a local instance",
+    )
     ray.add_argument("--ray-actors", type=int, default=2, help="actors (model copies)")
     ray.add_argument("--batch-size", type=int, default=8, help="chunks per actor task")
     ray.add_argument("--threads-per-actor", type=int, default=1, help="CPU threads per actor")
     p.set_defaults(func=run)
 
 
-def dataset_chunks(path: str | Path, tokenizer, top_k: int, chunk_tokens: int,
-                   limit: int | None = None) -> list[str]:
+def dataset_chunks(
+    path: str | Path, tokenizer, top_k: int, chunk_tokens: int, limit: int | None = None
+) -> list[str]:
     """Distinct chunk texts of a MuSiQue-format file, cut exactly as ``ragblend bench`` cuts."""
     from ragblend.bench.datasets import load_cases
 
@@ -152,8 +166,9 @@ def _run_local(args: argparse.Namespace, engine, store, chunks: list[str]) -> in
     from ragblend.warmup import WarmupQueue
 
     on_disk = isinstance(store, DiskStore)
-    bar = tqdm(total=len(chunks), unit="chunk", desc="warmup", disable=args.no_progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=len(chunks), unit="chunk", desc="warmup", disable=args.no_progress, dynamic_ncols=True
+    )
     disk_full = threading.Event()
 
     def done(stored: bool) -> None:
@@ -174,8 +189,7 @@ def _run_local(args: argparse.Namespace, engine, store, chunks: list[str]) -> in
         queue.close()
     except KeyboardInterrupt:
         interrupted = True
-        bar.write("interrupted: finishing the chunk in progress (rerun to resume)",
-                  file=sys.stderr)
+        bar.write("interrupted: finishing the chunk in progress (rerun to resume)", file=sys.stderr)
         queue.close(wait=False)
     finally:
         bar.close()
@@ -197,8 +211,11 @@ def _run_local(args: argparse.Namespace, engine, store, chunks: list[str]) -> in
         last_error = store.last_error
         store.close()
     if failed_writes:
-        print(f"warmup: {failed_writes} chunks could not be written: {last_error}"
-              + (" (stopped early)" if disk_full.is_set() else ""), file=sys.stderr)
+        print(
+            f"warmup: {failed_writes} chunks could not be written: {last_error}"
+            + (" (stopped early)" if disk_full.is_set() else ""),
+            file=sys.stderr,
+        )
     for err in queue.errors[:5]:
         print(f"warmup: error: {err}", file=sys.stderr)
     if interrupted:
