@@ -352,3 +352,63 @@ def test_layered_chain_promotes_a_redis_hit_to_ram_and_disk(redis_server, tokeni
     assert torch.equal(chain.get("n" * 64).layer(1)[0], kv.k[1])  # served from RAM now
     assert remote.stats.hits == 1
     chain.close()
+
+
+@pytest.mark.slow
+def test_two_engine_processes_share_one_redis_warmed_in_one_hit_in_the_other(
+    redis_server, tokenizer, tmp_path
+):
+    """examples/two_process_shared_tier.py: a warm process, then a query process, one Redis."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import tiny_model
+
+    root = Path(__file__).resolve().parents[1]
+    model = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    cases = [
+        {
+            "question": f"Which city is in passage {q}?",
+            "answers": ["x"],
+            "ctxs": [
+                {"title": "", "text": f"Passage {q}-{j}: the river city of {q * j}."}
+                for j in range(3)
+            ],
+        }
+        for q in range(2)
+    ]
+    dataset = tmp_path / "d.json"
+    dataset.write_text(json.dumps(cases))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "two_process_shared_tier.py"),
+            "--dataset",
+            str(dataset),
+            "--model",
+            str(model),
+            "--questions",
+            "2",
+            "--top-k",
+            "3",
+            "--chunk-tokens",
+            "32",
+            "--max-new-tokens",
+            "2",
+            "--redis-url",
+            redis_server.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    warm = [line for line in out.splitlines() if line.startswith("[warm")]
+    hits = [line.split()[1] for line in out.splitlines() if line.strip().startswith("hits")]
+    assert "stored 6 chunks" in warm[0]
+    assert hits == ["3/3", "3/3"]  # the other process's entries, fetched from Redis
+    pids = {line.split()[2].rstrip("]") for line in out.splitlines() if line.startswith("[")}
+    assert len(pids) == 2
