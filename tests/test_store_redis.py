@@ -17,7 +17,6 @@ from ragblend.store.layered import LayeredStore
 from ragblend.store.quant import pack
 from ragblend.store.redis import HEADER, RedisStore, layer_field
 
-pytest.importorskip("redis")
 redis_server = fixtures.redis_server
 
 

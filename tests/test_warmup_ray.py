@@ -15,7 +15,6 @@ from ragblend.cli import main
 from ragblend.prompt import encode
 from ragblend.store.redis import RedisStore, layer_field
 
-pytest.importorskip("redis")
 redis_server = fixtures.redis_server
 WORDS = "river mountain castle author poem novel city king battle college painter music".split()
 
@@ -178,7 +177,8 @@ def test_bench_on_the_redis_tier_records_it_and_hits(dataset, model_dir, redis_s
 # ---------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
 def local_ray():
-    ray = pytest.importorskip("ray")
+    import ray  # a dev dependency: missing Ray fails, it does not skip
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
