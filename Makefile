@@ -6,7 +6,7 @@ PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 DATASET ?= ../shared/data/musique_dev.json
 
-.PHONY: venv install demo test bench lint clean
+.PHONY: venv install demo test bench lint clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,12 @@ $(STAMP): $(BIN)/python pyproject.toml $(wildcard integrations/*/pyproject.toml)
 	for d in integrations/*/; do [ -f $$d/pyproject.toml ] && $(PIP) install -q -e "$$d[test]" || exit 1; done
 	touch $(STAMP)
 
-install: $(STAMP)
+# The shared KV tier's tests start a real redis-server (Debian package; CI runs as root).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+install: $(STAMP) redis-server
 
 # The main job: the core engine on dev questions (full vs blend), then the LlamaIndex RAG
 # pipeline (Chroma index with KV warmup at ingestion, query engine with BlendLLM).

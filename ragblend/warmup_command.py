@@ -1,4 +1,7 @@
-"""``ragblend warmup``: precompute every chunk of a dataset or a Chroma collection to disk.
+"""``ragblend warmup``: precompute every chunk of a dataset or a Chroma collection into the store.
+
+The store is the local disk tier, or the shared Redis/Valkey tier with ``--redis-url``; with
+``--ray [ADDRESS]`` the chunks are precomputed by a pool of Ray actors writing into Redis.
 
 Resumable (stored chunks are skipped, so a rerun continues where an interrupted run stopped),
 safe to run in several processes on the same store, and interruptible with Ctrl-C (the chunk
@@ -29,9 +32,13 @@ def add_parser(sub) -> None:
     src.add_argument("--chroma-path", help="Chroma persistent directory")
     src.add_argument("--collection", help="Chroma collection name (with --chroma-path)")
     p.add_argument("--top-k", type=int, default=6, help="dataset: chunks per question (first k)")
-    p.add_argument("--chunk-tokens", type=int, default=None,
-                   help="cut each chunk to N tokens (dataset default 512, like the bench; "
-                        "Chroma documents are kept whole unless given)")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="cut each chunk to N tokens (dataset default 512, like the bench; "
+        "Chroma documents are kept whole unless given)",
+    )
     p.add_argument("--limit", type=int, default=None, help="dataset: first N questions")
     p.add_argument("--store-path", default=None, help="disk store (default: ragblend_home()/kv)")
     p.add_argument("--store-bytes", type=int, default=None, help="disk store capacity in bytes")
@@ -39,11 +46,31 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="write into the shared Redis/Valkey tier (redis://, rediss://, unix://)",
+    )
+    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
+    ray = p.add_argument_group("Ray (distributed precompute into --redis-url)")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray: a cluster address ('auto', 'ray://host:10001') or none "
+        "for a local instance",
+    )
+    ray.add_argument("--ray-actors", type=int, default=2, help="actors (model copies)")
+    ray.add_argument("--batch-size", type=int, default=8, help="chunks per actor task")
+    ray.add_argument("--threads-per-actor", type=int, default=1, help="CPU threads per actor")
     p.set_defaults(func=run)
 
 
-def dataset_chunks(path: str | Path, tokenizer, top_k: int, chunk_tokens: int,
-                   limit: int | None = None) -> list[str]:
+def dataset_chunks(
+    path: str | Path, tokenizer, top_k: int, chunk_tokens: int, limit: int | None = None
+) -> list[str]:
     """Distinct chunk texts of a MuSiQue-format file, cut exactly as ``ragblend bench`` cuts."""
     from ragblend.bench.datasets import load_cases
 
@@ -85,36 +112,69 @@ def _human(n: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from ragblend.config import BlendConfig
     from ragblend.engine import BlendEngine
-    from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskStore
-    from ragblend.warmup import WarmupQueue
 
     if bool(args.dataset) == bool(args.chroma_path):
         raise RagblendError("give either --dataset or --chroma-path (with --collection)")
     if args.chroma_path and not args.collection:
         raise RagblendError("--chroma-path needs --collection")
-    store = DiskStore(args.store_path, args.store_bytes or DEFAULT_DISK_BYTES)
-    config = BlendConfig(device=args.device, dtype=args.dtype)
-    engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
-    tok = engine.tokenizer
+    if args.ray and not args.redis_url:
+        raise RagblendError("--ray writes into the shared tier: give --redis-url too")
+    config = {"device": args.device, "dtype": args.dtype}
+    if args.namespace:
+        config["namespace"] = args.namespace
+    if args.ray:  # the driver only needs the tokenizer; actors load the model
+        from transformers import AutoTokenizer
+
+        from ragblend.models.loading import model_dir
+        from ragblend.warmup_ray import run_ray
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir(args.model))
+        return run_ray(args, _chunks(args, tokenizer), config)
+    store = _open_store(args)
+    engine = BlendEngine.from_pretrained(args.model, config=BlendConfig(**config), store=store)
+    return _run_local(args, engine, store, _chunks(args, engine.tokenizer))
+
+
+def _open_store(args: argparse.Namespace):
+    if args.redis_url:
+        from ragblend.store.redis import RedisStore
+
+        store = RedisStore(args.redis_url, namespace=args.namespace, block_when_full=True)
+        if not store.ping():
+            raise RagblendError(f"cannot reach Redis at {args.redis_url}: {store.last_error}")
+        return store
+    from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskStore
+
+    return DiskStore(args.store_path, args.store_bytes or DEFAULT_DISK_BYTES)
+
+
+def _chunks(args: argparse.Namespace, tok) -> list[str]:
     if args.dataset:
-        chunks = dataset_chunks(args.dataset, tok, args.top_k, args.chunk_tokens or 512, args.limit)
-    else:
-        from ragblend.bench.datasets import cut_to_tokens
+        return dataset_chunks(args.dataset, tok, args.top_k, args.chunk_tokens or 512, args.limit)
+    from ragblend.bench.datasets import cut_to_tokens
 
-        chunks = list(dict.fromkeys(chroma_documents(args.chroma_path, args.collection)))
-        if args.chunk_tokens:
-            chunks = [cut_to_tokens(tok, c, args.chunk_tokens) for c in chunks]
+    chunks = list(dict.fromkeys(chroma_documents(args.chroma_path, args.collection)))
+    if args.chunk_tokens:
+        chunks = [cut_to_tokens(tok, c, args.chunk_tokens) for c in chunks]
+    return chunks
 
+
+def _run_local(args: argparse.Namespace, engine, store, chunks: list[str]) -> int:
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(chunks), unit="chunk", desc="warmup", disable=args.no_progress,
-               dynamic_ncols=True)
+    from ragblend.store.disk import DiskStore
+    from ragblend.warmup import WarmupQueue
+
+    on_disk = isinstance(store, DiskStore)
+    bar = tqdm(
+        total=len(chunks), unit="chunk", desc="warmup", disable=args.no_progress, dynamic_ncols=True
+    )
     disk_full = threading.Event()
 
     def done(stored: bool) -> None:
         bar.update(1)
         bar.set_postfix_str(f"written {_human(store.bytes_written)}", refresh=False)
-        if store.last_write_error == "disk full":
+        if on_disk and store.last_write_error == "disk full":
             disk_full.set()
 
     t0 = time.perf_counter()
@@ -129,11 +189,12 @@ def run(args: argparse.Namespace) -> int:
         queue.close()
     except KeyboardInterrupt:
         interrupted = True
-        bar.write("interrupted: finishing the chunk in progress (rerun to resume)",
-                  file=sys.stderr)
+        bar.write("interrupted: finishing the chunk in progress (rerun to resume)", file=sys.stderr)
         queue.close(wait=False)
     finally:
         bar.close()
+    if not on_disk:
+        store.flush()  # Redis writes are asynchronous: count them once they have landed
     seconds = time.perf_counter() - t0
     failed_writes = store.write_errors
     stored = queue.stored - failed_writes
@@ -142,10 +203,19 @@ def run(args: argparse.Namespace) -> int:
         f"{len(queue.errors) + failed_writes} failed, {_human(store.bytes_written)} written "
         f"in {seconds:.1f} s ({(stored + queue.skipped) / max(seconds, 1e-9):.2f} chunks/s)"
     )
-    print(f"store {store.path}: {len(store)} entries, {_human(store.nbytes)}")
+    if on_disk:
+        print(f"store {store.path}: {len(store)} entries, {_human(store.nbytes)}")
+        last_error = store.last_write_error
+    else:
+        print(f"store {store!r}")
+        last_error = store.last_error
+        store.close()
     if failed_writes:
-        print(f"warmup: {failed_writes} chunks could not be written: {store.last_write_error}"
-              + (" (stopped early)" if disk_full.is_set() else ""), file=sys.stderr)
+        print(
+            f"warmup: {failed_writes} chunks could not be written: {last_error}"
+            + (" (stopped early)" if disk_full.is_set() else ""),
+            file=sys.stderr,
+        )
     for err in queue.errors[:5]:
         print(f"warmup: error: {err}", file=sys.stderr)
     if interrupted:

@@ -17,18 +17,15 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=6, help="chunks per question (first k ctxs)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="cut each chunk to N tokens")
     p.add_argument("--modes", default="full,prefix,reuse,blend", help="comma-separated modes")
-    p.add_argument(
-        "--ratio",
-        type=float,
-        default=None,
-        help=f"blend recompute ratio (default: engine default {defaults.ratio})",
-    )
-    p.add_argument(
-        "--selector",
-        default=None,
-        help=f"token selector (default: engine default {defaults.selector})",
-    )
-    p.add_argument("--tier", choices=("ram", "disk"), default="ram", help="where chunk KV lives")
+    p.add_argument("--ratio", type=float, default=None,
+                   help=f"blend recompute ratio (default: engine default {defaults.ratio})")
+    p.add_argument("--selector", default=None,
+                   help=f"token selector (default: engine default {defaults.selector})")
+    p.add_argument("--tier", choices=("ram", "disk", "redis"), default="ram",
+                   help="where chunk KV lives")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="--tier redis: redis:// rediss:// or unix:// URL")
+    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
@@ -68,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["selector"] = args.selector
     if args.kv_dtype:
         overrides["kv_dtype"] = args.kv_dtype
+    if args.namespace:
+        overrides["namespace"] = args.namespace
     config = BlendConfig(**overrides)
     store = None
     before = None
@@ -82,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
             if variant.mode in ("reuse", "blend"):
                 drop()
 
+    if args.tier == "redis":
+        from ragblend.store import make_store
+
+        store = make_store("redis", url=args.redis_url, namespace=args.namespace)
+        before = lambda variant: store.flush()  # noqa: E731  (measure reads from Redis)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
     variants = [Variant(m, m) for m in modes]
@@ -109,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_bytes_per_token": kv_bytes_per_token(
             engine.kv_dtype, engine.layers.num_layers, engine.layers.num_kv_heads,
             engine.layers.head_dim, args.chunk_tokens),
+        "namespace": args.namespace,
         "n": len(cases),
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,

@@ -31,13 +31,19 @@ __all__ = [
 
 
 def make_store(
-    tier: Literal["ram", "disk", "tiered"] = "ram",
+    tier: Literal["ram", "disk", "tiered", "redis"] = "ram",
     path: str | os.PathLike | None = None,
     ram_bytes: int = 4 << 30,
     disk_bytes: int = DEFAULT_DISK_BYTES,
     fsync: bool = True,
+    url: str | None = None,
+    namespace: str | None = None,
 ) -> KVStore:
-    """A KV store of the given tier; ``path`` defaults to ``ragblend_home()/kv``."""
+    """A KV store of the given tier; ``path`` defaults to ``ragblend_home()/kv``.
+
+    ``"redis"``: the shared tier at ``url`` (``redis://``, ``rediss://``, ``unix://``), keys
+    under ``namespace`` (see ``ragblend.store.redis``).
+    """
     from ragblend.errors import RagblendError
 
     if tier == "ram":
@@ -46,4 +52,8 @@ def make_store(
         return DiskStore(path, disk_bytes, fsync=fsync)
     if tier == "tiered":
         return TieredStore(MemoryStore(ram_bytes), DiskStore(path, disk_bytes, fsync=fsync))
-    raise RagblendError(f"unknown store tier {tier!r}; expected ram, disk or tiered")
+    if tier == "redis":
+        from ragblend.store.redis import RedisStore
+
+        return RedisStore(url or "redis://127.0.0.1:6379/0", namespace=namespace)
+    raise RagblendError(f"unknown store tier {tier!r}; expected ram, disk, tiered or redis")

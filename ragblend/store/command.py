@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
             "--store-path", default=None, help="disk store (default: ragblend_home()/kv)"
         )
         c.add_argument("--json", action="store_true", help="print the report as JSON")
+        c.add_argument("--redis-url", default=None,
+                       help="the shared Redis/Valkey tier instead of the disk store")
+        c.add_argument("--namespace", default=None, help="with --redis-url: one tenant's keys")
         if name == "verify":
             c.add_argument("--drop", action="store_true", help="drop the entries that fail")
             c.add_argument(
@@ -55,6 +58,10 @@ def _open(path: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.redis_url:
+        from ragblend.store.redis_command import run_redis
+
+        return run_redis(args)
     store = _open(args.store_path)
     try:
         if args.cache_command == "stats":

@@ -1,0 +1,441 @@
+"""Shared KV tier on Redis or Valkey: one hash per entry, one round trip per layer.
+
+Layout of an entry (one Redis hash, so Redis's own ``maxmemory`` LRU evicts metadata and data
+together, never one without the other)::
+
+    {prefix}[:{namespace}]:{chunk key}
+        header  JSON: format version, key, the entry's meta (fingerprint, dtype, kv_dtype,
+                compute_dtype, tokens, context), layer count, token count, bytes, per-layer
+                xxh3 checksums
+        L{i}    layer i's stored tensors (``entry.stored_layer(i)``) as safetensors bytes
+
+``get`` reads the header only; ``RedisEntry.layer(i)`` fetches, verifies and decodes one layer
+(``decode_layer``), so the layer loader overlaps fetches with compute on its reader thread.
+The store is a cache: a missing, evicted, foreign or corrupt entry and an unreachable server are
+misses (``CorruptEntryError`` from ``layer(i)`` mid-prefill: the engine discards and recomputes).
+Writes go through a background thread with a bounded queue, so ``put`` never waits for Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ragblend.errors import CorruptEntryError, RagblendError
+from ragblend.store.base import ChunkKV, KVEntry, StoreStats
+from ragblend.store.quant import decode_layer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DEFAULT_PREFIX = "ragblend:kv"
+HEADER = "header"
+CHECKSUM = "xxh3_64"
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_STOP = object()
+
+
+def _redis():
+    try:
+        import redis
+    except ImportError:
+        msg = "the Redis tier needs redis-py: pip install 'ragblend[redis]'"
+        raise RagblendError(msg) from None
+    return redis
+
+
+def layer_field(index: int) -> str:
+    return f"L{index}"
+
+
+def encode_layer(tensors: dict[str, torch.Tensor]) -> bytes:
+    """One layer's stored tensors as safetensors bytes."""
+    return st_save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
+
+
+def checksum(blob: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(blob)
+
+
+def encode_entry(key: str, kv: KVEntry) -> dict[str, bytes]:
+    """The hash fields of one entry: ``header`` and ``L{i}`` for every layer."""
+    fields, sums = {}, []
+    for i in range(kv.num_layers):
+        blob = encode_layer(kv.stored_layer(i))
+        fields[layer_field(i)] = blob
+        sums.append(checksum(blob))
+    header = {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "meta": kv.meta,
+        "layers": kv.num_layers,
+        "tokens": kv.num_tokens,
+        "nbytes": kv.nbytes,
+        "checksum": CHECKSUM,
+        "sums": sums,
+        "created": time.time(),
+    }
+    fields[HEADER] = json.dumps(header, default=str).encode()
+    return fields
+
+
+class Unreachable(Exception):
+    """The server could not be reached (or is inside its retry back-off)."""
+
+
+class RedisEntry:
+    """One entry in Redis, read layer by layer (each layer verified against the header)."""
+
+    def __init__(self, store: RedisStore, key: str, header: dict) -> None:
+        self._store = store
+        self.key = key
+        self.header = header
+        self.meta: dict = dict(header["meta"])
+        self._stored: dict[int, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.header["tokens"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.header["layers"])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.header["nbytes"])
+
+    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer ``index`` as stored (e.g. int8 + scales); fetched in one round trip."""
+        with self._lock:
+            if index not in self._stored:
+                self._fetch(index)
+            return self._stored[index]
+
+    def _fetch(self, index: int) -> None:
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} of {self.num_layers}")
+        ahead = range(index, min(index + self._store.layers_per_fetch, self.num_layers))
+        wanted = [i for i in ahead if i not in self._stored]
+        try:
+            blobs = self._store._call(
+                lambda c: c.hmget(self._store.redis_key(self.key), [layer_field(i) for i in wanted])
+            )
+        except Unreachable:
+            raise CorruptEntryError(self.key, "the Redis server is unreachable") from None
+        for i, blob in zip(wanted, blobs):
+            if blob is None:
+                raise CorruptEntryError(self.key, f"layer {i} is gone (evicted or deleted)")
+            if checksum(blob) != self.header["sums"][i]:
+                self._store.drop(self.key, f"layer {i} fails its checksum")
+                raise CorruptEntryError(self.key, f"layer {i} fails its checksum")
+            try:
+                self._stored[i] = st_load(blob)
+            except Exception as exc:  # safetensors raises its own error types
+                self._store.drop(self.key, f"layer {i} is unreadable: {exc}")
+                raise CorruptEntryError(self.key, f"layer {i} is unreadable") from None
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute-dtype K and V of one layer, [kv_heads, tokens, head_dim]."""
+        return decode_layer(self.meta, self.stored_layer(index))
+
+    def materialize(self) -> ChunkKV:
+        layers = [self.layer(i) for i in range(self.num_layers)]
+        k = torch.stack([kv[0] for kv in layers])
+        v = torch.stack([kv[1] for kv in layers])
+        return ChunkKV(k, v, dict(self.meta))
+
+
+class RedisStore:
+    """KV tier in a Redis/Valkey server shared by many processes (see the module docstring).
+
+    ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path.sock``.
+    ``namespace`` partitions the key space per tenant (``BlendConfig.namespace`` already salts
+    every key; this also lets ``ragblend cache`` count and drop one tenant's entries).
+    """
+
+    tier = "redis"
+    prefetch_depth = 2
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        namespace: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        socket_timeout: float = 2.0,
+        connect_timeout: float = 1.0,
+        retry_s: float = 1.0,
+        max_connections: int = 16,
+        max_pending_writes: int = 64,
+        block_when_full: bool = False,
+        layers_per_fetch: int = 1,
+        ttl_s: int | None = None,
+    ) -> None:
+        redis = _redis()
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise RagblendError(f"Redis URL {url!r} must start with redis://, rediss:// or unix://")
+        for what, name in (("namespace", namespace), ("prefix", prefix.replace(":", "_"))):
+            if name is not None and not _NAME.match(name):
+                raise RagblendError(f"{what} {name!r}: use letters, digits, '_', '.', '-'")
+        self.url = url
+        self.namespace = namespace
+        self.prefix = prefix
+        self.retry_s = float(retry_s)
+        self.layers_per_fetch = max(1, int(layers_per_fetch))
+        self.ttl_s = ttl_s
+        self.block_when_full = block_when_full
+        self.stats = StoreStats()
+        self.write_errors = 0
+        self.dropped_writes = 0
+        self.bytes_written = 0
+        self.last_error: str | None = None
+        self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
+        self._redis_error = redis.exceptions.RedisError
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            retry_on_timeout=False,
+        )
+        self._down_until = 0.0
+        self._down_logged = False
+        self._warned: set[str] = set()
+        self._state = threading.Lock()
+        self._pending: dict[str, KVEntry] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
+        self._writer: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ connection
+    def redis_key(self, key: str) -> str:
+        return f"{self.prefix}:{self.namespace}:{key}" if self.namespace else f"{self.prefix}:{key}"
+
+    def _call(self, fn):
+        """``fn(client)``; a dead server raises ``Unreachable`` (logged once per outage)."""
+        if time.monotonic() < self._down_until:
+            raise Unreachable
+        try:
+            result = fn(self._client)
+        except self._errors as exc:
+            with self._state:
+                self._down_until = time.monotonic() + self.retry_s
+                first = not self._down_logged
+                self._down_logged = True
+                self.last_error = str(exc)
+            if first:
+                log.warning(
+                    "Redis KV tier at %s is unreachable (%s): chunk KV lookups are misses "
+                    "(recomputed) until it is back",
+                    self.url,
+                    exc,
+                )
+            raise Unreachable from None
+        if self._down_logged:
+            with self._state:
+                self._down_logged = False
+            log.warning("Redis KV tier at %s is reachable again", self.url)
+        return result
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._call(lambda c: c.ping()))
+        except (Unreachable, self._redis_error):
+            return False
+
+    # ------------------------------------------------------------------ reads
+    def __contains__(self, key: str) -> bool:
+        if key in self._pending:
+            return True
+        try:
+            return bool(self._call(lambda c: c.hexists(self.redis_key(key), HEADER)))
+        except (Unreachable, self._redis_error):
+            return False
+
+    def get(self, key: str) -> KVEntry | None:
+        """The entry (header read, layers fetched lazily), or None on a miss."""
+        pending = self._pending.get(key)
+        if pending is not None:
+            self.stats.count("hits")
+            return pending
+        entry = self._read_header(key)
+        self.stats.count("hits" if entry is not None else "misses")
+        return entry
+
+    def _read_header(self, key: str) -> RedisEntry | None:
+        try:
+            raw = self._call(lambda c: c.hget(self.redis_key(key), HEADER))
+        except (Unreachable, self._redis_error):
+            return None
+        if raw is None:
+            return None
+        try:
+            header = json.loads(raw)
+            if header.get("format") != FORMAT_VERSION:
+                self._warn_once(key, f"format {header.get('format')!r} is not {FORMAT_VERSION}")
+                return None  # another version's entry: leave it to its writer
+            if header["key"] != key or len(header["sums"]) != int(header["layers"]):
+                raise ValueError("header does not describe this entry")
+            if header.get("checksum") != CHECKSUM or not isinstance(header["meta"], dict):
+                raise ValueError("unknown checksum or metadata")
+        except (ValueError, KeyError, TypeError) as exc:
+            self.drop(key, f"bad header: {exc}")
+            return None
+        return RedisEntry(self, key, header)
+
+    def _warn_once(self, key: str, reason: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("Redis KV entry %s… is unusable (%s): treated as a miss", key[:16], reason)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: str, kv: KVEntry) -> None:
+        """Queue the entry for the background writer (never blocks unless ``block_when_full``)."""
+        if isinstance(kv, RedisEntry) and kv._store is self:
+            return
+        with self._state:
+            if key in self._pending:
+                return
+            self._pending[key] = kv
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, daemon=True, name="ragblend-redis-writer"
+                )
+                self._writer.start()
+        try:
+            self._queue.put((key, kv), block=self.block_when_full)
+        except queue.Full:
+            with self._state:
+                self._pending.pop(key, None)
+                self.dropped_writes += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._write(*item)
+            finally:
+                if item is not _STOP:
+                    with self._state:
+                        self._pending.pop(item[0], None)
+                self._queue.task_done()
+
+    def _write(self, key: str, kv: KVEntry) -> None:
+        try:
+            fields = encode_entry(key, kv)
+        except Exception as exc:  # an entry that cannot be encoded is a bug: say so, keep going
+            log.warning("cannot encode KV entry %s… for Redis: %s", key[:16], exc)
+            self.write_errors += 1
+            return
+        name = self.redis_key(key)
+
+        def write(c):
+            pipe = c.pipeline(transaction=True)
+            pipe.delete(name)
+            pipe.hset(name, mapping=fields)
+            if self.ttl_s:
+                pipe.expire(name, int(self.ttl_s))
+            pipe.execute()
+
+        try:
+            self._call(write)
+        except Unreachable:
+            self.write_errors += 1
+            return
+        except self._redis_error as exc:  # e.g. OOM with a noeviction policy
+            self.write_errors += 1
+            if self.last_error != str(exc):
+                log.warning("Redis KV tier refused a write: %s", exc)
+            self.last_error = str(exc)
+            return
+        self.bytes_written += sum(len(v) for v in fields.values())
+        self.stats.count("puts")
+
+    def flush(self) -> None:
+        """Wait until every queued write has been sent (or failed)."""
+        self._queue.join()
+
+    def drop(self, key: str, reason: str | None = None) -> None:
+        if reason:
+            self._warn_once(key, reason)
+        self.discard(key)
+
+    def discard(self, key: str) -> None:
+        try:
+            self._call(lambda c: c.delete(self.redis_key(key)))
+        except (Unreachable, self._redis_error):
+            pass
+
+    def close(self) -> None:
+        """Finish queued writes, stop the writer and close the connection pool."""
+        with self._state:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(_STOP)
+            writer.join()
+        self._client.close()
+
+    # ------------------------------------------------------------------ maintenance
+    def keys(self) -> Iterator[str]:
+        """Chunk keys stored under this store's prefix and namespace (SCAN, no blocking)."""
+        start = len(self.redis_key(""))
+        pattern = self.redis_key("*")
+        for name in self._call(lambda c: list(c.scan_iter(match=pattern, count=500))):
+            key = name.decode()[start:]
+            if ":" not in key:  # names of another namespace under a bare prefix
+                yield key
+
+    def server_info(self) -> dict:
+        """Memory and eviction figures of the server (``INFO memory`` / ``INFO stats``)."""
+        info = self._call(lambda c: {**c.info("memory"), **c.info("stats")})
+        return {
+            k: info.get(k)
+            for k in (
+                "used_memory",
+                "maxmemory",
+                "maxmemory_policy",
+                "evicted_keys",
+                "keyspace_hits",
+                "keyspace_misses",
+            )
+        }
+
+    def check(self, key: str) -> str | None:
+        """None when every layer of ``key`` reads and verifies, else why not (drops nothing)."""
+        try:
+            raw = self._call(lambda c: c.hget(self.redis_key(key), HEADER))
+            header = json.loads(raw) if raw is not None else None
+            if header is None:
+                return "missing"
+            if header.get("format") != FORMAT_VERSION:
+                return f"foreign format {header.get('format')!r}"
+            if header.get("key") != key:
+                return "header names another key"
+            for i, expected in enumerate(header["sums"]):
+                blob = self._call(lambda c, i=i: c.hget(self.redis_key(key), layer_field(i)))
+                if blob is None:
+                    return f"layer {i} is missing"
+                if checksum(blob) != expected:
+                    return f"layer {i} fails its checksum"
+                st_load(blob)
+        except (Unreachable, self._redis_error) as exc:
+            return f"unreadable: {exc or 'server unreachable'}"
+        except Exception as exc:  # bad JSON, bad safetensors
+            return f"unreadable: {exc}"
+        return None
+
+    def __repr__(self) -> str:
+        ns = f", namespace={self.namespace!r}" if self.namespace else ""
+        return f"RedisStore({self.url!r}{ns})"
