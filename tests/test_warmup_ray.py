@@ -223,7 +223,9 @@ def test_ray_warmup_of_a_chroma_collection_fills_redis_and_resumes(
     prefill = engine.prefill(engine.tokenize("Which river?", docs[:3]), mode="blend")
     assert prefill.stats.chunk_hits == 3
     context = engine._context_ids(engine.prompt_head())
-    engine.store.discard(engine.chunk_key(encode(engine.tokenizer, docs[4]), context))
+    engine.store.discard(
+        engine.chunk_key(context_ids=context, chunk_ids=encode(engine.tokenizer, docs[4]))
+    )
     assert main(args) == 0  # resumable: only the dropped chunk is computed again
     assert "1 chunks stored, 9 already stored" in capsys.readouterr().out
     other = engine_on(model_dir, redis_server.url, "t2")
