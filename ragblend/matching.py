@@ -252,3 +252,39 @@ def _tokenized(tokenizer, template_before: str, split: ChunkedText, template_aft
 def _adds_bos(tokenizer) -> bool:
     ids = tokenizer("a")["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+# Why a blend/reuse call fused nothing, and what fixes it (logged once per LLM instance).
+FALLBACK_FIXES = {
+    "no_known_chunk": "no known chunk text occurs in the prompt; warm the chunks at ingestion "
+    "(BlendWarmup / llm.warmup / ChatRagBlend.warm) or pass them as chunks",
+    "cache_miss": "every chunk in the prompt missed the KV store; wait for warmup "
+    "(wait_for_warmup) or precompute with BlendConfig(precompute_context='canonical') so "
+    "chunks hit under any template",
+    "controller_full": "the controller judged loading slower than a full prefill here",
+}
+
+
+def mark_fallback(stats, requested_mode: str) -> str | None:
+    """Set ``stats.mode = "full"`` and ``stats.extra["fallback_reason"]`` when a
+    ``reuse``/``blend`` call fused no chunk; returns the reason (None: chunks were fused)."""
+    if requested_mode not in ("reuse", "blend"):
+        return None
+    reason = stats.extra.get("fallback_reason")
+    controller = stats.extra.get("controller") or {}
+    if reason is None and controller.get("fallback_full"):
+        reason = "controller_full"
+    elif reason is None and stats.mode == "full":
+        reason = "no_known_chunk"
+    elif reason is None and not stats.chunk_hits:
+        reason = "cache_miss"
+    if reason is not None:
+        stats.mode = "full"
+        stats.extra["fallback_reason"] = reason
+    return reason
+
+
+def fallback_message(owner: str, reason: str) -> str:
+    """The WARNING text for a call that fell back to a full prefill."""
+    fix = FALLBACK_FIXES.get(reason, reason)
+    return f"{owner} ran a full prefill although blending was requested ({reason}): {fix}"

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from ragblend.engine import BlendEngine
+from ragblend.matching import known_chunks
 from ragblend.prompt import PromptFormat, encode
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,14 @@ class WarmupQueue:
             t.start()
 
     def submit(self, texts: Iterable[str], block: bool = False) -> int:
-        """Enqueue texts not yet stored or queued; returns how many were enqueued."""
-        return self._submit((t for t in texts if t and t.strip()), block)
+        """Enqueue texts not yet stored or queued; returns how many were enqueued.
+
+        Every text is also indexed as a known chunk of the engine, so prompts that contain it
+        verbatim are split there (:mod:`ragblend.matching`).
+        """
+        texts = [t for t in texts if t and t.strip()]
+        known_chunks(self.engine).add(texts)
+        return self._submit(iter(texts), block)
 
     def submit_ids(self, chunks: Iterable[Sequence[int]], block: bool = False) -> int:
         """Enqueue tokenised chunks (exactly these ids are precomputed and keyed)."""

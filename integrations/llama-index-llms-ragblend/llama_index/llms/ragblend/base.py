@@ -27,9 +27,11 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from llama_index.llms.ragblend.prompts import qa_prompt_format
+from llama_index.llms.ragblend.recorder import install_retrieval_recorder
 from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStats, PromptFormat
 from ragblend.config import MODES
 from ragblend.errors import RagblendError
+from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
 from ragblend.prompt import encode
 from ragblend.warmup import WarmupQueue
 
@@ -41,6 +43,20 @@ if TYPE_CHECKING:
     from llama_index.llms.ragblend.warmup import BlendRetrievalHook
 
 log = logging.getLogger(__name__)
+
+
+def node_texts(nodes: Iterable[BaseNode | NodeWithScore]) -> list[str]:
+    """The texts a node appears as in prompts: its LLM-mode content (what the synthesizer and
+    refine send) and that content stripped (what compact mode packs), without duplicates."""
+    texts: list[str] = []
+    for node in nodes:
+        text = node.get_content(metadata_mode=MetadataMode.LLM)
+        for variant in (text, text.strip()):
+            if variant and variant not in texts:
+                texts.append(variant)
+    return texts
+
+
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.USER: "user",
@@ -76,6 +92,7 @@ class BlendLLM(CustomLLM):
     _warmup_lock: Any = PrivateAttr(default_factory=threading.Lock)
     _hook: Any = PrivateAttr(default=None)
     _last_stats: BlendStats | None = PrivateAttr(default=None)
+    _warned_fallback: bool = PrivateAttr(default=False)
 
     def __init__(
         self,
@@ -108,6 +125,7 @@ class BlendLLM(CustomLLM):
         )
         self._engine = engine
         self._prompt_format = qa_prompt_format(text_qa_template, self.system_prompt)
+        install_retrieval_recorder()
 
     @classmethod
     def class_name(cls) -> str:
@@ -159,6 +177,11 @@ class BlendLLM(CustomLLM):
 
     def _open_completion(self, prompt: str, formatted: bool, kwargs: dict) -> Any:
         """Start an engine stream: fused over ``chunks`` when given, else a full prefill."""
+        stream = self._open_engine(prompt, formatted, kwargs)
+        stream.requested_mode = kwargs.get("mode", self.mode)
+        return stream
+
+    def _open_engine(self, prompt: str, formatted: bool, kwargs: dict) -> Any:
         chunks = kwargs.get("chunks")
         if chunks is not None:
             question = kwargs.get("question")
@@ -173,14 +196,29 @@ class BlendLLM(CustomLLM):
                 **self._decoding(kwargs),
             )
         if formatted:
-            ids = list(self._engine.tokenizer(prompt)["input_ids"])
-        else:
-            messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
-            ids = self._engine.chat_ids(self._chat_dicts(messages, add_system=True))
-        return self._engine.stream_prompt(ids, **self._decoding(kwargs))
+            return self._open_text(None, prompt, kwargs)
+        messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
+        return self._open_text(self._chat_dicts(messages, add_system=True), None, kwargs)
 
     def _open_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> Any:
-        ids = self._engine.chat_ids(self._chat_dicts(messages))
+        stream = self._open_text(self._chat_dicts(messages), None, kwargs)
+        stream.requested_mode = kwargs.get("mode", self.mode)
+        return stream
+
+    def _open_text(self, chat: list[dict] | None, text: str | None, kwargs: dict) -> Any:
+        """A text prompt: split at the known chunks it contains and fuse them (blend/reuse),
+        else a full prefill over the chat template (or the raw ``text``)."""
+        mode = kwargs.get("mode", self.mode)
+        if mode in ("reuse", "blend"):
+            tokenizer = self._engine.tokenizer
+            prompt = chunked_prompt(tokenizer, chat, text, index=known_chunks(self._engine))
+            if prompt is not None:
+                ratio = kwargs.get("ratio", self.ratio)
+                return self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
+        if chat is None:
+            ids = list(self._engine.tokenizer(text)["input_ids"])
+        else:
+            ids = self._engine.chat_ids(chat)
         return self._engine.stream_prompt(ids, **self._decoding(kwargs))
 
     def _chat_dicts(self, messages: Sequence[ChatMessage], add_system: bool = False) -> list:
@@ -193,12 +231,20 @@ class BlendLLM(CustomLLM):
     def _drain(stream: Any) -> BlendResult:
         for _ in stream:
             pass
-        return stream.result
+        return _result_of(stream)
 
     def _finish(self, result: BlendResult) -> dict:
-        """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``)."""
-        self._last_stats = result.stats
+        """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``).
+
+        A blend/reuse call that fused no chunk reports ``mode="full"`` and
+        ``extra["fallback_reason"]``, and warns once per instance.
+        """
         stats = result.stats
+        reason = mark_fallback(stats, stats.extra.get("requested_mode") or self.mode)
+        if reason is not None and not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning(fallback_message("BlendLLM", reason))
+        self._last_stats = stats
         usage = {
             "prompt_tokens": stats.prompt_tokens,
             "completion_tokens": stats.completion_tokens,
@@ -226,7 +272,7 @@ class BlendLLM(CustomLLM):
         for delta in stream:
             text += delta
             yield CompletionResponse(text=text, delta=delta)
-        yield self._completion(stream.result, delta="")
+        yield self._completion(_result_of(stream), delta="")
 
     def _chat_gen(self, stream: Any) -> Iterator[ChatResponse]:
         text = ""
@@ -234,7 +280,7 @@ class BlendLLM(CustomLLM):
             text += delta
             message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
             yield ChatResponse(message=message, delta=delta)
-        yield self._chat_response(stream.result, delta="")
+        yield self._chat_response(_result_of(stream), delta="")
 
     # ------------------------------------------------------------------ sync API
     @llm_completion_callback()
@@ -340,6 +386,7 @@ class BlendLLM(CustomLLM):
     def warmup(self, texts: Iterable[str], only_missing: bool = False) -> int:
         """Enqueue texts for background KV precompute; returns how many were enqueued."""
         texts = [t for t in texts if t and t.strip()]
+        known_chunks(self._engine).add(texts)  # matched in prompts even when already stored
         if only_missing:
             texts = [t for t in texts if not self.is_cached(t)]
         return self.warmup_queue.submit(texts) if texts else 0
@@ -348,8 +395,7 @@ class BlendLLM(CustomLLM):
         self, nodes: Iterable[BaseNode | NodeWithScore], only_missing: bool = False
     ) -> int:
         """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute."""
-        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
-        return self.warmup(texts, only_missing=only_missing)
+        return self.warmup(node_texts(nodes), only_missing=only_missing)
 
     def is_cached(self, text: str) -> bool:
         """Whether ``text``'s chunk KV is in the store, in this LLM's prompt context."""
@@ -391,6 +437,13 @@ class BlendLLM(CustomLLM):
             queue, self._warmup = self._warmup, None
         if queue is not None:
             queue.close()
+
+
+def _result_of(stream: Any) -> BlendResult:
+    """The stream's result, its stats noting the mode the caller asked for."""
+    result = stream.result
+    result.stats.extra.setdefault("requested_mode", getattr(stream, "requested_mode", None))
+    return result
 
 
 def _athread(gen: Iterator[Any]) -> AsyncIterator[Any]:
