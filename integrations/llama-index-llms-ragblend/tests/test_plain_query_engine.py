@@ -9,6 +9,7 @@ import pytest
 from llama_index.core import Document, Settings, StorageContext, VectorStoreIndex
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.prompts import PromptTemplate
+
 from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding
 
 pytestmark = pytest.mark.slow
