@@ -20,3 +20,11 @@ def canonical_engine():
     return BlendEngine.from_pretrained(
         "embedded", config=BlendConfig(precompute_context="canonical")
     )
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """The embedded SmolLM2-135M-Instruct engine (RAM store), shared by the session."""
+    from ragblend import BlendEngine
+
+    return BlendEngine.from_pretrained("embedded")

@@ -16,15 +16,15 @@ from llama_index.core.llms import ChatMessage, MessageRole  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.response_synthesizers import get_response_synthesizer  # noqa: E402
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
+from ragblend import RagblendError  # noqa: E402
+from ragblend.prompt import split_chat_template  # noqa: E402
+
 from llama_index.llms.ragblend import (  # noqa: E402
     BlendLLM,
     BlendSynthesizer,
     BlendWarmup,
     MiniLMEmbedding,
 )
-
-from ragblend import RagblendError  # noqa: E402
-from ragblend.prompt import split_chat_template  # noqa: E402
 
 MAX_NEW = 6
 TOP_K = 3
