@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -25,6 +24,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.prompts import BasePromptTemplate
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStream, PromptFormat, RagblendError
+from ragblend.bridge import aiter_in_thread
 from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
 from ragblend.prompt import TokenizedPrompt, encode
 from ragblend.warmup import WarmupQueue
@@ -392,37 +392,11 @@ class ChatRagBlend(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Run the engine on a worker thread; hand its chunks to the event loop via a queue."""
         req = self._prepare(messages, kwargs)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        done = object()
-
-        def put(item: object) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: nobody is listening any more
-                cancel.set()
-
-        def produce() -> None:
-            try:
-                for chunk in self._iter_chunks(req, stop, cancel):
-                    put(chunk)
-            except BaseException as exc:  # surfaced in the consumer
-                put(exc)
-            finally:
-                put(done)
-
-        threading.Thread(target=produce, name="ragblend-generate", daemon=True).start()
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
+        chunks = aiter_in_thread(
+            lambda cancel: self._iter_chunks(req, stop, cancel), name="ragblend-generate"
+        )
+        async for chunk in chunks:
+            yield chunk
 
     async def _agenerate(
         self,

@@ -159,8 +159,10 @@ def test_custom_prompt_chain_sends_the_classic_text_with_chunk_boundaries(
     fmt = call["prompt_format"]
     classic = stuff_messages(prompt, {"question": QUESTION, "context": docs})
     assert fmt.system == "Answer briefly."
-    text = fmt.prefix + fmt.separator.join(call["chunks"]) + fmt.suffix.format(
-        question=call["question"]
+    text = (
+        fmt.prefix
+        + fmt.separator.join(call["chunks"])
+        + fmt.suffix.format(question=call["question"])
     )
     assert text == classic[1].content
     assert llm.layouts[0].prompt_format.prefix == "Passages:\n"

@@ -30,15 +30,24 @@ MAX_NEW = 6
 TOP_K = 3
 QUESTION = "Where was the author of Hannibal and Scipio educated?"
 DOCS = [
-    ("Hannibal and Scipio", "Hannibal and Scipio is a Caroline era stage play written by "
-     "Thomas Nabbes in 1635."),
-    ("Thomas Nabbes", "Thomas Nabbes was an English dramatist. He was educated at Exeter "
-     "College, Oxford."),
+    (
+        "Hannibal and Scipio",
+        "Hannibal and Scipio is a Caroline era stage play written by Thomas Nabbes in 1635.",
+    ),
+    (
+        "Thomas Nabbes",
+        "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford.",
+    ),
     ("Punica", "The Punica is a Latin epic poem in seventeen books written by Silius Italicus."),
-    ("Exeter College", "Exeter College is a constituent college of the University of Oxford, "
-     "founded in 1314."),
-    ("Caroline era", "The Caroline era is the period of English history during the reign of "
-     "Charles I, from 1625 to 1642."),
+    (
+        "Exeter College",
+        "Exeter College is a constituent college of the University of Oxford, founded in 1314.",
+    ),
+    (
+        "Caroline era",
+        "The Caroline era is the period of English history during the reign of "
+        "Charles I, from 1625 to 1642.",
+    ),
 ]
 COLD_DOCS = [
     ("Lake Baikal", "Lake Baikal is a rift lake in Siberia and the deepest lake in the world."),
@@ -86,7 +95,10 @@ def index(tmp_path_factory, embed, llm) -> VectorStoreIndex:
     """Chroma-backed index whose nodes were precomputed by the ingestion transform."""
     splitter = SentenceSplitter(chunk_size=1024)
     index = _chroma_index(
-        tmp_path_factory.mktemp("chroma"), "ragblend-docs", DOCS, embed,
+        tmp_path_factory.mktemp("chroma"),
+        "ragblend-docs",
+        DOCS,
+        embed,
         [splitter, embed, BlendWarmup(llm)],
     )
     assert llm.wait_for_warmup(timeout=300)
@@ -246,8 +258,10 @@ def test_retrieval_hook_enqueues_retrieved_nodes_missing_from_store(
             tmp_path, "ragblend-cold", COLD_DOCS, embed, [SentenceSplitter(chunk_size=1024), embed]
         )
         retriever = index.as_retriever(similarity_top_k=2)
-        texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in
-                 retriever.retrieve("Which lake is in Siberia?")]
+        texts = [
+            n.node.get_content(metadata_mode=MetadataMode.LLM)
+            for n in retriever.retrieve("Which lake is in Siberia?")
+        ]
         assert not any(llm.is_cached(t) for t in texts)
 
         hook = llm.enable_retrieval_warmup()
@@ -311,7 +325,10 @@ def test_token_counting_handler_counts_engine_usage(index, embedded_engine):
     assert counter.completion_llm_token_count == first.completion_tokens > 0
 
     streaming = llm.as_query_engine(
-        index, similarity_top_k=TOP_K, streaming=True, callback_manager=manager,
+        index,
+        similarity_top_k=TOP_K,
+        streaming=True,
+        callback_manager=manager,
         warm_on_retrieval=False,
     )
     "".join(streaming.query(QUESTION).response_gen)

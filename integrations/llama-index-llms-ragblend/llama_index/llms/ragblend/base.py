@@ -29,6 +29,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 from llama_index.llms.ragblend.prompts import qa_prompt_format
 from llama_index.llms.ragblend.recorder import install_retrieval_recorder
 from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStats, PromptFormat
+from ragblend.bridge import aiter_in_thread
 from ragblend.config import MODES
 from ragblend.errors import RagblendError
 from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
@@ -62,7 +63,6 @@ _ROLES = {
     MessageRole.USER: "user",
     MessageRole.ASSISTANT: "assistant",
 }
-_DONE = object()
 
 
 class BlendLLM(CustomLLM):
@@ -447,41 +447,5 @@ def _result_of(stream: Any) -> BlendResult:
 
 
 def _athread(gen: Iterator[Any]) -> AsyncIterator[Any]:
-    """Run a blocking generator in a daemon thread; iterate its items asynchronously."""
-
-    async def agen() -> AsyncIterator[Any]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-
-        def put(item: Any, exc: BaseException | None = None) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (item, exc))
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                stop.set()
-
-        def produce() -> None:
-            try:
-                for item in gen:
-                    if stop.is_set():  # the consumer went away: stop decoding
-                        gen.close()
-                        return
-                    put(item)
-            except BaseException as exc:  # forwarded to the consumer
-                put(_DONE, exc)
-                return
-            put(_DONE)
-
-        threading.Thread(target=produce, name="ragblend-llamaindex-stream", daemon=True).start()
-        try:
-            while True:
-                item, exc = await queue.get()
-                if item is _DONE:
-                    if exc is not None:
-                        raise exc
-                    return
-                yield item
-        finally:
-            stop.set()
-
-    return agen()
+    """Iterate a blocking generator asynchronously (core thread → asyncio bridge)."""
+    return aiter_in_thread(lambda _cancel: gen, name="ragblend-llamaindex-stream")
