@@ -27,7 +27,7 @@ from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStream, PromptF
 from ragblend.bridge import aiter_in_thread
 from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
 from ragblend.prompt import TokenizedPrompt, encode
-from ragblend.warmup import WarmupQueue
+from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 from langchain_ragblend.chunks import content_text, document_text, split_chunked_content
 
@@ -159,7 +159,7 @@ class ChatRagBlend(BaseChatModel):
     warmup_workers: int = 1
 
     _layouts: list[ChunkLayout] = PrivateAttr(default_factory=list)
-    _queues: dict[tuple[str | None, str], WarmupQueue] = PrivateAttr(default_factory=dict)
+    _pool: WarmupPool | None = PrivateAttr(default=None)
     _warm_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _warned_fallback: bool = PrivateAttr(default=False)
 
@@ -293,6 +293,12 @@ class ChatRagBlend(BaseChatModel):
         cancel: threading.Event | None = None,
     ) -> Iterator[ChatGenerationChunk]:
         """Text chunks as decoded, then one last chunk carrying usage and response metadata."""
+        with self.warmup_pool.query():  # background warmup starts no new chunk meanwhile
+            yield from self._decode_chunks(req, stop, cancel)
+
+    def _decode_chunks(
+        self, req: _Request, stop: list[str] | None, cancel: threading.Event | None
+    ) -> Iterator[ChatGenerationChunk]:
         stops = _StopFilter(stop)
         stream = self._open(req)
         for delta in stream:
@@ -439,15 +445,13 @@ class ChatRagBlend(BaseChatModel):
         with self._warm_lock:
             return list(self._layouts) or [ChunkLayout(self.prompt_format)]
 
-    def _queue(self, layout: ChunkLayout) -> WarmupQueue:
+    @property
+    def warmup_pool(self) -> WarmupPool:
+        """The core background precompute pool (one for every layout; created on first use)."""
         with self._warm_lock:
-            queue = self._queues.get(layout.head_key)
-            if queue is None:
-                queue = WarmupQueue(
-                    self.engine, prompt_format=layout.prompt_format, workers=self.warmup_workers
-                )
-                self._queues[layout.head_key] = queue
-            return queue
+            if self._pool is None:
+                self._pool = WarmupPool(self.engine, workers=self.warmup_workers)
+            return self._pool
 
     def is_cached(self, doc: Document | str) -> bool:
         """Whether a document's chunk KV is stored for every registered layout."""
@@ -461,30 +465,34 @@ class ChatRagBlend(BaseChatModel):
 
         Returns the chunk texts newly enqueued (already stored or queued ones are skipped).
         """
+        return self._warm(documents, BACKLOG)
+
+    def warm_retrieved(self, documents: Iterable[Document | str]) -> list[str]:
+        """Like :meth:`warm`, queued before the ingestion backlog (retrieval-time misses)."""
+        return self._warm(documents, RETRIEVAL)
+
+    def _warm(self, documents: Iterable[Document | str], priority: int) -> list[str]:
         docs = list(documents)
+        pool = self.warmup_pool
         enqueued: list[str] = []
         for layout in self.layouts:
-            queue = self._queue(layout)
             texts = [document_text(doc, layout.document_prompt) for doc in docs]
             known_chunks(self.engine).add(texts)  # matched in prompts even when already stored
             for text in texts:
-                if not text.strip() or self.engine.is_cached(text, layout.prompt_format):
+                if not text.strip() or pool.is_cached(text, layout.prompt_format):
                     continue
-                if queue.submit([text]):
+                if pool.warm([text], layout.prompt_format, priority=priority):
                     enqueued.append(text)
         return enqueued
 
     def wait_for_warmup(self) -> None:
         """Block until every enqueued precompute has finished."""
-        with self._warm_lock:
-            queues = list(self._queues.values())
-        for queue in queues:
-            queue.join()
+        if self._pool is not None:
+            self._pool.wait()
 
     def close(self, wait: bool = True) -> None:
         """Stop the warmup workers (finishing queued work when ``wait``)."""
         with self._warm_lock:
-            queues = list(self._queues.values())
-            self._queues.clear()
-        for queue in queues:
-            queue.close(wait=wait)
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close(wait=wait)

@@ -28,3 +28,8 @@ def embedded_engine():
     from ragblend import BlendEngine
 
     return BlendEngine.from_pretrained("embedded")
+
+
+def pytest_configure(config):
+    """The standard suites' coroutine tests need pytest-asyncio's auto mode (root is strict)."""
+    config.option.asyncio_mode = "auto"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -34,14 +33,7 @@ from ragblend.config import MODES
 from ragblend.errors import RagblendError
 from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
 from ragblend.prompt import encode
-from ragblend.warmup import WarmupQueue
-
-if TYPE_CHECKING:
-    from llama_index.core.indices.base import BaseIndex
-    from llama_index.core.query_engine import RetrieverQueryEngine
-
-    from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
-    from llama_index.llms.ragblend.warmup import BlendRetrievalHook
+from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +61,13 @@ class BlendLLM(CustomLLM):
     """LlamaIndex LLM on a ragblend :class:`BlendEngine` (CacheBlend KV fusion for RAG).
 
     Without chunks it is a plain local chat model (full prefill). Retrieved chunks reach the
-    engine through :meth:`synthesizer` / :meth:`as_query_engine`, which pass each node as its
-    own chunk so that precomputed chunk KV caches are fused instead of prefilled.
+    engine as text (plain ``index.as_query_engine()``: the texts of known chunks are found in
+    the prompt, :mod:`ragblend.matching`) or through
+    :func:`~llama_index.llms.ragblend.query_engine.blend_query_engine`, which passes each node
+    as its own chunk; either way precomputed chunk KV caches are fused instead of prefilled.
 
-    >>> llm = BlendLLM("embedded")                     # or a local HF dir, or engine=...
-    >>> query_engine = llm.as_query_engine(index, similarity_top_k=6)
+    >>> Settings.llm = BlendLLM("embedded")            # or a local HF dir, or engine=...
+    >>> query_engine = index.as_query_engine(similarity_top_k=6)
     """
 
     model: str = Field(default="embedded", description="Model path or 'embedded'.")
@@ -88,9 +82,8 @@ class BlendLLM(CustomLLM):
 
     _engine: BlendEngine = PrivateAttr()
     _prompt_format: PromptFormat = PrivateAttr()
-    _warmup: WarmupQueue | None = PrivateAttr(default=None)
+    _warmup: WarmupPool | None = PrivateAttr(default=None)
     _warmup_lock: Any = PrivateAttr(default_factory=threading.Lock)
-    _hook: Any = PrivateAttr(default=None)
     _last_stats: BlendStats | None = PrivateAttr(default=None)
     _warned_fallback: bool = PrivateAttr(default=False)
 
@@ -227,10 +220,14 @@ class BlendLLM(CustomLLM):
             out.insert(0, {"role": "system", "content": self.system_prompt})
         return out
 
-    @staticmethod
-    def _drain(stream: Any) -> BlendResult:
-        for _ in stream:
-            pass
+    def _querying(self) -> Any:
+        """While a query decodes, background warmup starts no new chunk."""
+        return self.warmup_queue.query()
+
+    def _drain(self, stream: Any) -> BlendResult:
+        with self._querying():
+            for _ in stream:
+                pass
         return _result_of(stream)
 
     def _finish(self, result: BlendResult) -> dict:
@@ -269,17 +266,19 @@ class BlendLLM(CustomLLM):
 
     def _completion_gen(self, stream: Any) -> Iterator[CompletionResponse]:
         text = ""
-        for delta in stream:
-            text += delta
-            yield CompletionResponse(text=text, delta=delta)
+        with self._querying():
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
         yield self._completion(_result_of(stream), delta="")
 
     def _chat_gen(self, stream: Any) -> Iterator[ChatResponse]:
         text = ""
-        for delta in stream:
-            text += delta
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            yield ChatResponse(message=message, delta=delta)
+        with self._querying():
+            for delta in stream:
+                text += delta
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+                yield ChatResponse(message=message, delta=delta)
         yield self._chat_response(_result_of(stream), delta="")
 
     # ------------------------------------------------------------------ sync API
@@ -333,63 +332,25 @@ class BlendLLM(CustomLLM):
         stream = await asyncio.to_thread(self._open_chat, messages, kwargs)
         return _athread(self._chat_gen(stream))
 
-    # ------------------------------------------------------------------ RAG helpers
-    def synthesizer(
-        self,
-        streaming: bool = False,
-        text_qa_template: BasePromptTemplate | None = None,
-        **kwargs: Any,
-    ) -> BlendSynthesizer:
-        """A stuff-mode synthesizer that hands each retrieved node to the engine as a chunk."""
-        from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
-
-        return BlendSynthesizer(
-            llm=self, streaming=streaming, text_qa_template=text_qa_template, **kwargs
-        )
-
-    def as_query_engine(
-        self,
-        index: BaseIndex,
-        *,
-        streaming: bool = False,
-        text_qa_template: BasePromptTemplate | None = None,
-        warm_on_retrieval: bool = True,
-        **kwargs: Any,
-    ) -> RetrieverQueryEngine:
-        """``index.as_query_engine`` with this LLM and the chunk-preserving synthesizer.
-
-        ``warm_on_retrieval`` also enables :meth:`enable_retrieval_warmup`. Other keyword
-        arguments go to ``index.as_query_engine`` (e.g. ``similarity_top_k``); a
-        ``callback_manager`` is also given to the synthesizer and this LLM.
-        """
-        if warm_on_retrieval:
-            self.enable_retrieval_warmup()
-        # the index's retriever rejects a second callback manager, and index.as_query_engine
-        # gives the LLM the index's one: install ours on the synthesizer (and LLM) afterwards
-        manager = kwargs.pop("callback_manager", None)
-        synth = self.synthesizer(streaming=streaming, text_qa_template=text_qa_template)
-        query_engine = index.as_query_engine(llm=self, response_synthesizer=synth, **kwargs)
-        if manager is not None:
-            synth.callback_manager = manager
-            query_engine.callback_manager = manager
-        return query_engine
-
     # ------------------------------------------------------------------ warmup
     @property
-    def warmup_queue(self) -> WarmupQueue:
-        """Background precompute queue in this LLM's prompt context (created on first use)."""
+    def warmup_queue(self) -> WarmupPool:
+        """The core background precompute pool (created on first use)."""
         with self._warmup_lock:
             if self._warmup is None:
-                self._warmup = WarmupQueue(self._engine, prompt_format=self._prompt_format)
+                self._warmup = WarmupPool(self._engine)
             return self._warmup
 
     def warmup(self, texts: Iterable[str], only_missing: bool = False) -> int:
-        """Enqueue texts for background KV precompute; returns how many were enqueued."""
-        texts = [t for t in texts if t and t.strip()]
-        known_chunks(self._engine).add(texts)  # matched in prompts even when already stored
-        if only_missing:
-            texts = [t for t in texts if not self.is_cached(t)]
-        return self.warmup_queue.submit(texts) if texts else 0
+        """Enqueue texts for background KV precompute in this LLM's prompt layout.
+
+        ``only_missing`` (retrieval-time warmup) skips stored texts and queues the rest before
+        the ingestion backlog. Returns how many were enqueued.
+        """
+        priority = RETRIEVAL if only_missing else BACKLOG
+        return self.warmup_queue.warm(
+            texts, self._prompt_format, priority=priority, only_missing=only_missing
+        )
 
     def warmup_nodes(
         self, nodes: Iterable[BaseNode | NodeWithScore], only_missing: bool = False
@@ -405,34 +366,10 @@ class BlendLLM(CustomLLM):
         """Block until queued warmup is done (or ``timeout`` s pass); True when all done."""
         if self._warmup is None:
             return True
-        if timeout is None:
-            self._warmup.join()
-            return True
-        deadline = time.monotonic() + timeout
-        while self._warmup.pending():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
-    def enable_retrieval_warmup(self, dispatcher: Any = None) -> BlendRetrievalHook:
-        """Enqueue retrieved nodes that miss the store (instrumentation RetrievalEndEvent)."""
-        from llama_index.llms.ragblend.warmup import BlendRetrievalHook
-
-        if self._hook is None:
-            self._hook = BlendRetrievalHook(self)
-            self._hook.attach(dispatcher)
-        return self._hook
-
-    def disable_retrieval_warmup(self) -> None:
-        """Remove the retrieval hook installed by :meth:`enable_retrieval_warmup`."""
-        if self._hook is not None:
-            self._hook.detach()
-            self._hook = None
+        return self._warmup.wait(timeout)
 
     def close(self) -> None:
-        """Detach the retrieval hook and stop the warmup workers (finishing queued work)."""
-        self.disable_retrieval_warmup()
+        """Stop the warmup workers (finishing queued work)."""
         with self._warmup_lock:
             queue, self._warmup = self._warmup, None
         if queue is not None:
