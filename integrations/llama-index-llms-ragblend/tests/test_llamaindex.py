@@ -177,7 +177,8 @@ def test_prompt_text_is_llamaindex_stuff_mode_prompt(index, llm, monkeypatch):
         return original(messages)
 
     monkeypatch.setattr(engine, "chat_ids", spy)
-    stock = get_response_synthesizer(llm=llm, response_mode="simple_summarize")
+    full = BlendLLM(engine=engine, mode="full", max_new_tokens=MAX_NEW)  # the stock chat text
+    stock = get_response_synthesizer(llm=full, response_mode="simple_summarize")
     stock.get_response(QUESTION, texts)
     assert len(captured) == 1
     stuff_text = engine.tokenizer.apply_chat_template(
