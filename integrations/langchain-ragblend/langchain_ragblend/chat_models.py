@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -293,7 +294,8 @@ class ChatRagBlend(BaseChatModel):
         cancel: threading.Event | None = None,
     ) -> Iterator[ChatGenerationChunk]:
         """Text chunks as decoded, then one last chunk carrying usage and response metadata."""
-        with self.warmup_pool.query():  # background warmup starts no new chunk meanwhile
+        pool = self._pool  # background warmup (if any) starts no new chunk meanwhile
+        with pool.query() if pool is not None else contextlib.nullcontext():
             yield from self._decode_chunks(req, stop, cancel)
 
     def _decode_chunks(

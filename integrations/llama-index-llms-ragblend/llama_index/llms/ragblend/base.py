@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -222,7 +223,8 @@ class BlendLLM(CustomLLM):
 
     def _querying(self) -> Any:
         """While a query decodes, background warmup starts no new chunk."""
-        return self.warmup_queue.query()
+        pool = self._warmup
+        return pool.query() if pool is not None else contextlib.nullcontext()
 
     def _drain(self, stream: Any) -> BlendResult:
         with self._querying():
