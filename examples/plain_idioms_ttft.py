@@ -45,7 +45,7 @@ def main() -> None:
     new = args.max_new_tokens
     li_llm = BlendLLM(engine=engine, max_new_tokens=new)
     Settings.llm, Settings.embed_model = li_llm, (embed := MiniLMEmbedding())
-    collection = chromadb.PersistentClient(path=tempfile.mkdtemp()).get_or_create_collection("d")
+    collection = chromadb.PersistentClient(path=tempfile.mkdtemp()).get_or_create_collection("docs")
     index = VectorStoreIndex.from_documents(
         [Document(text=p["text"]) for p in passages],
         storage_context=StorageContext.from_defaults(vector_store=ChromaVectorStore(collection)),
@@ -115,7 +115,7 @@ def main() -> None:
     backlog = [f"{p['text']} (variant {i})" for i in range(40) for p in passages[:3]]
     li_llm.mode = "blend"
     ratios: dict[str, list[float]] = {"paused": [], "unpaused": []}
-    for q in questions * 2:
+    for q in questions:
         timings = {}
         for variant in ("idle", "paused", "unpaused"):
             pool = WarmupPool(engine, pause_during_queries=variant == "paused")
