@@ -29,7 +29,3 @@ def embedded_engine():
 
     return BlendEngine.from_pretrained("embedded")
 
-
-def pytest_configure(config):
-    """The standard suites' coroutine tests need pytest-asyncio's auto mode (root is strict)."""
-    config.option.asyncio_mode = "auto"
