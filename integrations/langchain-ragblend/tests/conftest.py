@@ -28,4 +28,3 @@ def embedded_engine():
     from ragblend import BlendEngine
 
     return BlendEngine.from_pretrained("embedded")
-
