@@ -37,7 +37,7 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/llamaindex_rag.py --dataset $(DATASET) --questions 2
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests integrations/*/tests
 
 bench: install
 	$(BIN)/ragblend bench --dataset $(DATASET) --limit 10 --top-k 6 --chunk-tokens 512 \

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from llama_index.core import VectorStoreIndex
     from llama_index.core.ingestion import IngestionPipeline
     from llama_index.core.node_parser import SentenceSplitter
-    from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding
+    from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding, blend_query_engine
 
     data, docs = load_documents(args.dataset, args.questions if args.cases is None else args.cases)
     with chroma_dir(args.persist_dir) as persist_dir:
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
         index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed)
         modes = {  # full prefill first, then blend, per question
-            "full": (full_llm, full_llm.as_query_engine(index, similarity_top_k=args.top_k)),
-            "blend": (llm, llm.as_query_engine(index, similarity_top_k=args.top_k)),
+            "full": (full_llm, blend_query_engine(full_llm, index, similarity_top_k=args.top_k)),
+            "blend": (llm, blend_query_engine(llm, index, similarity_top_k=args.top_k)),
         }
         ttft: dict[str, list[float]] = {name: [] for name in modes}
         for i, case in enumerate(data[: args.questions]):

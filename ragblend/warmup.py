@@ -1,17 +1,239 @@
-"""Background KV precompute: a deduplicating, bounded queue with worker threads."""
+"""Background KV precompute: one deduplicating, prioritised pool with worker threads.
+
+Every integration (LlamaIndex ``BlendLLM``, LangChain ``ChatRagBlend``, the ``ragblend warmup``
+command) uses this pool: items are chunk texts (or token ids) tagged with the prompt layout
+they are precomputed under, so one pool serves every layout. Retrieval-time misses
+(``priority=RETRIEVAL``) go before the ingestion backlog (``priority=BACKLOG``), and workers
+pause between items while a query runs (:meth:`WarmupPool.query`), so background warmup does
+not compete with a running prefill/decode for the CPU (an item already started finishes).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ragblend.engine import BlendEngine
+from ragblend.matching import known_chunks
 from ragblend.prompt import PromptFormat, encode
 
 log = logging.getLogger(__name__)
+RETRIEVAL = 0  # a chunk a query just retrieved and missed: the next query wants it
+BACKLOG = 1  # ingestion-time warmup
+_STOP_PRIORITY = 2  # after every real item
 _STOP = object()
+Item = str | tuple[int, ...]
+
+
+class WarmupPool:
+    """Precomputes chunks in the background so later queries hit the KV store.
+
+    ``warm`` never blocks the caller for long: duplicates (queued under the same layout) are
+    dropped and, when ``max_pending`` items wait, new ones are counted as ``dropped``
+    (``block=True`` waits for room instead, for batch jobs). ``on_done(stored)`` is called
+    after each item (False: already stored or failed), e.g. to drive a progress bar.
+    """
+
+    def __init__(
+        self,
+        engine: BlendEngine,
+        workers: int = 1,
+        max_pending: int = 10_000,
+        on_done: Callable[[bool], None] | None = None,
+        pause_during_queries: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.on_done = on_done
+        self.pause_during_queries = pause_during_queries
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._room = threading.Semaphore(max_pending)
+        self._seq = itertools.count()
+        self._pending: set[tuple[tuple[int, ...], Item]] = set()
+        self._heads: dict[tuple[int, ...], list[int]] = {}  # the engine's own head lists
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no query runs
+        self._active_queries = 0
+        self._closed = False
+        self.stored = 0
+        self.skipped = 0
+        self.dropped = 0
+        self.errors: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._work, name=f"ragblend-warmup-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ submit
+    def warm(
+        self,
+        texts: Iterable[str],
+        prompt_format: PromptFormat | None = None,
+        *,
+        priority: int = BACKLOG,
+        only_missing: bool = False,
+        block: bool = False,
+    ) -> int:
+        """Enqueue chunk texts under ``prompt_format``'s layout; returns how many were enqueued.
+
+        Every text is also indexed as a known chunk of the engine, so prompts that contain it
+        verbatim are split there (:mod:`ragblend.matching`). ``only_missing`` skips texts
+        already stored (checked now, on the caller's thread).
+        """
+        texts = [t for t in texts if t and t.strip()]
+        known_chunks(self.engine).add(texts)
+        if only_missing:
+            texts = [t for t in texts if not self.is_cached(t, prompt_format)]
+        return self._submit(self._head(prompt_format), texts, priority, block)
+
+    def warm_ids(
+        self,
+        chunks: Iterable[Sequence[int]],
+        prompt_format: PromptFormat | None = None,
+        *,
+        priority: int = BACKLOG,
+        block: bool = False,
+    ) -> int:
+        """Enqueue tokenised chunks (exactly these ids are precomputed and keyed)."""
+        head = self._head(prompt_format)
+        items = [tuple(int(t) for t in c) for c in chunks if len(c)]
+        return self._submit(head, items, priority, block)
+
+    def _head(self, prompt_format: PromptFormat | None) -> tuple[int, ...]:
+        head = self.engine.prompt_head(prompt_format)
+        key = tuple(head)
+        with self._lock:
+            self._heads.setdefault(key, head)
+        return key
+
+    def is_cached(self, text: str, prompt_format: PromptFormat | None = None) -> bool:
+        """Whether ``text``'s chunk KV is stored under ``prompt_format``'s layout."""
+        return self.engine.is_cached(text, prompt_format=prompt_format)
+
+    def _submit(
+        self, head: tuple[int, ...], items: Iterable[Item], priority: int, block: bool
+    ) -> int:
+        if self._closed:
+            raise RuntimeError("warmup pool is closed")
+        added = 0
+        for item in items:
+            key = (head, item)
+            with self._lock:
+                if key in self._pending:
+                    continue
+                self._pending.add(key)
+            if not self._room.acquire(blocking=block):
+                with self._lock:
+                    self._pending.discard(key)
+                self.dropped += 1
+                continue
+            self._queue.put((priority, next(self._seq), key))
+            added += 1
+        return added
+
+    # ------------------------------------------------------------------ queries
+    @contextlib.contextmanager
+    def query(self) -> Iterator[None]:
+        """Mark a query as running: workers start no new item until every query has ended."""
+        with self._lock:
+            self._active_queries += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active_queries -= 1
+                if not self._active_queries:
+                    self._idle.notify_all()
+
+    # ------------------------------------------------------------------ waiting
+    def pending(self) -> int:
+        """Items queued or being computed."""
+        with self._lock:
+            return len(self._pending)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted item is processed (or ``timeout`` s pass)."""
+        if timeout is None:
+            self._queue.join()
+            return True
+        deadline = time.monotonic() + timeout
+        while self.pending():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    join = wait
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers: finish queued work (``wait``) or abandon it cleanly."""
+        if self._closed:
+            return
+        self._closed = True
+        if not wait:
+            while True:
+                try:
+                    _, _, key = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                with self._lock:
+                    self._pending.discard(key)
+                self._room.release()
+                self._queue.task_done()
+        for _ in self._threads:
+            self._queue.put((_STOP_PRIORITY, next(self._seq), _STOP))
+        with self._lock:
+            self._idle.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> WarmupPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(wait=exc[0] is None)
+
+    # ------------------------------------------------------------------ worker
+    def _wait_for_idle(self) -> None:
+        with self._lock:
+            while self.pause_during_queries and self._active_queries and not self._closed:
+                self._idle.wait(timeout=0.5)
+
+    def _work(self) -> None:
+        while True:
+            _, _, key = self._queue.get()
+            if key is _STOP:
+                self._queue.task_done()
+                return
+            self._wait_for_idle()
+            stored = False
+            try:
+                head, item = key
+                ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
+                stored = self.engine.precompute_ids(ids, self._heads[head])
+                if stored:
+                    self.stored += 1
+                else:
+                    self.skipped += 1
+            except Exception as exc:  # keep the worker alive; report, never crash the caller
+                log.warning("warmup of a chunk failed: %s", exc)
+                self.errors.append(str(exc))
+            finally:
+                with self._lock:
+                    self._pending.discard(key)
+                self._room.release()
+                if self.on_done is not None:
+                    try:
+                        self.on_done(stored)
+                    except Exception as exc:  # a progress callback must not kill the worker
+                        log.debug("warmup on_done callback failed: %s", exc)
+                self._queue.task_done()
 
 
 class WarmupQueue:
@@ -52,8 +274,14 @@ class WarmupQueue:
             t.start()
 
     def submit(self, texts: Iterable[str], block: bool = False) -> int:
-        """Enqueue texts not yet stored or queued; returns how many were enqueued."""
-        return self._submit((t for t in texts if t and t.strip()), block)
+        """Enqueue texts not yet stored or queued; returns how many were enqueued.
+
+        Every text is also indexed as a known chunk of the engine, so prompts that contain it
+        verbatim are split there (:mod:`ragblend.matching`).
+        """
+        texts = [t for t in texts if t and t.strip()]
+        known_chunks(self.engine).add(texts)
+        return self._submit(iter(texts), block)
 
     def submit_ids(self, chunks: Iterable[Sequence[int]], block: bool = False) -> int:
         """Enqueue tokenised chunks (exactly these ids are precomputed and keyed)."""

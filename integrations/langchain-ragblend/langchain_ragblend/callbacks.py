@@ -36,7 +36,7 @@ class KVWarmupCallbackHandler(BaseCallbackHandler):
         parent_run_id: UUID | None = None,
         **kwargs: Any,
     ) -> None:
-        texts = self.llm.warm(documents)
+        texts = self.llm.warm_retrieved(documents)
         with self._lock:
             self.enqueued.extend(texts)
 

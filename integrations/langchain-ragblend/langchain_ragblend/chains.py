@@ -70,7 +70,8 @@ def _alias_question(values: dict[str, Any], needed: list[str]) -> dict[str, Any]
 def _split_marked(messages: list[BaseMessage]) -> tuple[int, str, str]:
     """(index, text before, text after) of the one human message holding the context mark."""
     found = [
-        (i, content_text(m.content)) for i, m in enumerate(messages)
+        (i, content_text(m.content))
+        for i, m in enumerate(messages)
         if _CONTEXT_MARK in content_text(m.content)
     ]
     if len(found) != 1 or found[0][1].count(_CONTEXT_MARK) != 1:

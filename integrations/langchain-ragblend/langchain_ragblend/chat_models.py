@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import threading
-import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,8 +25,10 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.prompts import BasePromptTemplate
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStream, PromptFormat, RagblendError
-from ragblend.prompt import encode
-from ragblend.warmup import WarmupQueue
+from ragblend.bridge import aiter_in_thread
+from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
+from ragblend.prompt import TokenizedPrompt, encode
+from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 from langchain_ragblend.chunks import content_text, document_text, split_chunked_content
 
@@ -36,9 +37,6 @@ log = logging.getLogger(__name__)
 _GEN_OPTIONS = ("mode", "ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 _ENGINES: dict[tuple[str, str], BlendEngine] = {}
 _ENGINES_LOCK = threading.Lock()
-_GENERATE_LOCKS: weakref.WeakKeyDictionary[BlendEngine, threading.RLock] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def shared_engine(model: str = "embedded", config: BlendConfig | None = None) -> BlendEngine:
@@ -48,15 +46,6 @@ def shared_engine(model: str = "embedded", config: BlendConfig | None = None) ->
         if key not in _ENGINES:
             _ENGINES[key] = BlendEngine.from_pretrained(model, config=config)
         return _ENGINES[key]
-
-
-def _generate_lock(engine: BlendEngine) -> threading.RLock:
-    """One generation at a time per engine: concurrent prefills only fight over the cores."""
-    with _ENGINES_LOCK:
-        lock = _GENERATE_LOCKS.get(engine)
-        if lock is None:
-            lock = _GENERATE_LOCKS[engine] = threading.RLock()
-        return lock
 
 
 @dataclass(frozen=True)
@@ -85,6 +74,7 @@ class _Request:
     question: str = ""
     prompt_format: PromptFormat | None = None
     chat: list[dict[str, str]] | None = None
+    tokenized: TokenizedPrompt | None = None
 
 
 class _StopFilter:
@@ -170,8 +160,9 @@ class ChatRagBlend(BaseChatModel):
     warmup_workers: int = 1
 
     _layouts: list[ChunkLayout] = PrivateAttr(default_factory=list)
-    _queues: dict[tuple[str | None, str], WarmupQueue] = PrivateAttr(default_factory=dict)
+    _pool: WarmupPool | None = PrivateAttr(default=None)
     _warm_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _warned_fallback: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _load_engine(self) -> ChatRagBlend:
@@ -203,10 +194,12 @@ class ChatRagBlend(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="ragblend",
-            ls_model_name=self.model_name,
+            ls_model_name=str(kwargs.get("model") or self.model_name),
             ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_new_tokens", self._max_new_tokens()),
+            ls_max_tokens=kwargs.get(
+                "max_new_tokens", kwargs.get("max_tokens", self._max_new_tokens())
+            ),
         )
         if stop:
             params["ls_stop"] = stop
@@ -258,6 +251,13 @@ class ChatRagBlend(BaseChatModel):
                 fmt = replace(fmt, system=system)
             return _Request(options, chunks, content_text(user.content), fmt)
         chat = [{"role": _role(m), "content": content_text(m.content)} for m in messages]
+        if options["mode"] in ("reuse", "blend") or (
+            options["mode"] is None and self.engine.config.mode in ("reuse", "blend")
+        ):
+            # plain text (format_docs, stuff chains): split at known chunk texts
+            prompt = chunked_prompt(self.engine.tokenizer, chat, index=known_chunks(self.engine))
+            if prompt is not None:
+                return _Request(options, chat=chat, tokenized=prompt)
         return _Request(options, chat=chat)
 
     @staticmethod
@@ -279,6 +279,9 @@ class ChatRagBlend(BaseChatModel):
 
     def _open(self, req: _Request) -> BlendStream:
         opts = req.options
+        if req.tokenized is not None:
+            sampling = {k: opts[k] for k in _GEN_OPTIONS if k not in ("mode", "ratio")}
+            return self.engine.stream_prompt(req.tokenized, opts["mode"], opts["ratio"], **sampling)
         if req.chat is not None:
             sampling = {k: opts[k] for k in _GEN_OPTIONS if k not in ("mode", "ratio")}
             return self.engine.stream_prompt(self.engine.chat_ids(req.chat), **sampling)
@@ -291,23 +294,50 @@ class ChatRagBlend(BaseChatModel):
         cancel: threading.Event | None = None,
     ) -> Iterator[ChatGenerationChunk]:
         """Text chunks as decoded, then one last chunk carrying usage and response metadata."""
+        pool = self._pool  # background warmup (if any) starts no new chunk meanwhile
+        with pool.query() if pool is not None else contextlib.nullcontext():
+            yield from self._decode_chunks(req, stop, cancel)
+
+    def _decode_chunks(
+        self, req: _Request, stop: list[str] | None, cancel: threading.Event | None
+    ) -> Iterator[ChatGenerationChunk]:
         stops = _StopFilter(stop)
-        with _generate_lock(self.engine):
-            stream = self._open(req)
-            for delta in stream:
-                if cancel is not None and cancel.is_set():
-                    return
-                text = stops.feed(delta)
-                if text:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-            text = stops.flush()
+        stream = self._open(req)
+        for delta in stream:
+            if cancel is not None and cancel.is_set():
+                stream.close()
+                return
+            text = stops.feed(delta)
             if text:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-        yield self._last_chunk(stream.result, stops.stopped)
+            if stops.stopped:  # decoding ends at the stop sequence
+                stream.close()
+                break
+        text = stops.flush()
+        if text:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+        yield self._last_chunk(stream.result, stops, req)
 
-    def _last_chunk(self, result: BlendResult, stopped: bool) -> ChatGenerationChunk:
+    def _kept_tokens(self, result: BlendResult, kept_chars: int) -> int:
+        """Generated tokens needed to produce the kept text (a stop sequence cut the rest)."""
+        ids = result.token_ids
+        for n in range(len(ids) + 1):
+            if len(self.engine.tokenizer.decode(ids[:n], skip_special_tokens=True)) >= kept_chars:
+                return n
+        return len(ids)
+
+    def _last_chunk(
+        self, result: BlendResult, stops: _StopFilter, req: _Request
+    ) -> ChatGenerationChunk:
         stats = result.stats
-        finish = "stop" if stopped else stats.finish_reason
+        finish = "stop" if stops.stopped else stats.finish_reason
+        if stops.stopped:
+            stats.completion_tokens = self._kept_tokens(result, stops.emitted)
+        requested = req.options.get("mode") or self.engine.config.mode
+        reason = mark_fallback(stats, requested)
+        if reason is not None and not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning(fallback_message("ChatRagBlend", reason))
         metadata = {
             "model_name": self.model_name,
             "finish_reason": finish,
@@ -318,6 +348,7 @@ class ChatRagBlend(BaseChatModel):
             "chunk_hits": stats.chunk_hits,
             "chunk_misses": stats.chunk_misses,
             "decode_ms": stats.decode_ms,
+            "fallback_reason": stats.extra.get("fallback_reason"),
         }
         usage = UsageMetadata(
             input_tokens=stats.prompt_tokens,
@@ -369,37 +400,11 @@ class ChatRagBlend(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Run the engine on a worker thread; hand its chunks to the event loop via a queue."""
         req = self._prepare(messages, kwargs)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        done = object()
-
-        def put(item: object) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: nobody is listening any more
-                cancel.set()
-
-        def produce() -> None:
-            try:
-                for chunk in self._iter_chunks(req, stop, cancel):
-                    put(chunk)
-            except BaseException as exc:  # surfaced in the consumer
-                put(exc)
-            finally:
-                put(done)
-
-        threading.Thread(target=produce, name="ragblend-generate", daemon=True).start()
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
+        chunks = aiter_in_thread(
+            lambda cancel: self._iter_chunks(req, stop, cancel), name="ragblend-generate"
+        )
+        async for chunk in chunks:
+            yield chunk
 
     async def _agenerate(
         self,
@@ -442,15 +447,13 @@ class ChatRagBlend(BaseChatModel):
         with self._warm_lock:
             return list(self._layouts) or [ChunkLayout(self.prompt_format)]
 
-    def _queue(self, layout: ChunkLayout) -> WarmupQueue:
+    @property
+    def warmup_pool(self) -> WarmupPool:
+        """The core background precompute pool (one for every layout; created on first use)."""
         with self._warm_lock:
-            queue = self._queues.get(layout.head_key)
-            if queue is None:
-                queue = WarmupQueue(
-                    self.engine, prompt_format=layout.prompt_format, workers=self.warmup_workers
-                )
-                self._queues[layout.head_key] = queue
-            return queue
+            if self._pool is None:
+                self._pool = WarmupPool(self.engine, workers=self.warmup_workers)
+            return self._pool
 
     def is_cached(self, doc: Document | str) -> bool:
         """Whether a document's chunk KV is stored for every registered layout."""
@@ -464,29 +467,34 @@ class ChatRagBlend(BaseChatModel):
 
         Returns the chunk texts newly enqueued (already stored or queued ones are skipped).
         """
+        return self._warm(documents, BACKLOG)
+
+    def warm_retrieved(self, documents: Iterable[Document | str]) -> list[str]:
+        """Like :meth:`warm`, queued before the ingestion backlog (retrieval-time misses)."""
+        return self._warm(documents, RETRIEVAL)
+
+    def _warm(self, documents: Iterable[Document | str], priority: int) -> list[str]:
         docs = list(documents)
+        pool = self.warmup_pool
         enqueued: list[str] = []
         for layout in self.layouts:
-            queue = self._queue(layout)
-            for doc in docs:
-                text = document_text(doc, layout.document_prompt)
-                if not text.strip() or self.engine.is_cached(text, layout.prompt_format):
+            texts = [document_text(doc, layout.document_prompt) for doc in docs]
+            known_chunks(self.engine).add(texts)  # matched in prompts even when already stored
+            for text in texts:
+                if not text.strip() or pool.is_cached(text, layout.prompt_format):
                     continue
-                if queue.submit([text]):
+                if pool.warm([text], layout.prompt_format, priority=priority):
                     enqueued.append(text)
         return enqueued
 
     def wait_for_warmup(self) -> None:
         """Block until every enqueued precompute has finished."""
-        with self._warm_lock:
-            queues = list(self._queues.values())
-        for queue in queues:
-            queue.join()
+        if self._pool is not None:
+            self._pool.wait()
 
     def close(self, wait: bool = True) -> None:
         """Stop the warmup workers (finishing queued work when ``wait``)."""
         with self._warm_lock:
-            queues = list(self._queues.values())
-            self._queues.clear()
-        for queue in queues:
-            queue.close(wait=wait)
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close(wait=wait)

@@ -3,6 +3,11 @@
 from llama_index.llms.ragblend.base import BlendLLM
 from llama_index.llms.ragblend.embeddings import MiniLMEmbedding
 from llama_index.llms.ragblend.prompts import qa_prompt_format
+from llama_index.llms.ragblend.query_engine import (
+    WarmingRetriever,
+    blend_query_engine,
+    blend_synthesizer,
+)
 from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
 from llama_index.llms.ragblend.warmup import BlendRetrievalHook, BlendWarmup
 
@@ -12,5 +17,8 @@ __all__ = [
     "BlendSynthesizer",
     "BlendWarmup",
     "MiniLMEmbedding",
+    "WarmingRetriever",
+    "blend_query_engine",
+    "blend_synthesizer",
     "qa_prompt_format",
 ]

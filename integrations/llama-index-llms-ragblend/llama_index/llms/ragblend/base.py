@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -27,37 +27,48 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from llama_index.llms.ragblend.prompts import qa_prompt_format
+from llama_index.llms.ragblend.recorder import install_retrieval_recorder
 from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStats, PromptFormat
+from ragblend.bridge import aiter_in_thread
 from ragblend.config import MODES
 from ragblend.errors import RagblendError
+from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
 from ragblend.prompt import encode
-from ragblend.warmup import WarmupQueue
-
-if TYPE_CHECKING:
-    from llama_index.core.indices.base import BaseIndex
-    from llama_index.core.query_engine import RetrieverQueryEngine
-
-    from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
-    from llama_index.llms.ragblend.warmup import BlendRetrievalHook
+from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 log = logging.getLogger(__name__)
+
+
+def node_texts(nodes: Iterable[BaseNode | NodeWithScore]) -> list[str]:
+    """The texts a node appears as in prompts: its LLM-mode content (what the synthesizer and
+    refine send) and that content stripped (what compact mode packs), without duplicates."""
+    texts: list[str] = []
+    for node in nodes:
+        text = node.get_content(metadata_mode=MetadataMode.LLM)
+        for variant in (text, text.strip()):
+            if variant and variant not in texts:
+                texts.append(variant)
+    return texts
+
+
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.USER: "user",
     MessageRole.ASSISTANT: "assistant",
 }
-_DONE = object()
 
 
 class BlendLLM(CustomLLM):
     """LlamaIndex LLM on a ragblend :class:`BlendEngine` (CacheBlend KV fusion for RAG).
 
     Without chunks it is a plain local chat model (full prefill). Retrieved chunks reach the
-    engine through :meth:`synthesizer` / :meth:`as_query_engine`, which pass each node as its
-    own chunk so that precomputed chunk KV caches are fused instead of prefilled.
+    engine as text (plain ``index.as_query_engine()``: the texts of known chunks are found in
+    the prompt, :mod:`ragblend.matching`) or through
+    :func:`~llama_index.llms.ragblend.query_engine.blend_query_engine`, which passes each node
+    as its own chunk; either way precomputed chunk KV caches are fused instead of prefilled.
 
-    >>> llm = BlendLLM("embedded")                     # or a local HF dir, or engine=...
-    >>> query_engine = llm.as_query_engine(index, similarity_top_k=6)
+    >>> Settings.llm = BlendLLM("embedded")            # or a local HF dir, or engine=...
+    >>> query_engine = index.as_query_engine(similarity_top_k=6)
     """
 
     model: str = Field(default="embedded", description="Model path or 'embedded'.")
@@ -72,10 +83,10 @@ class BlendLLM(CustomLLM):
 
     _engine: BlendEngine = PrivateAttr()
     _prompt_format: PromptFormat = PrivateAttr()
-    _warmup: WarmupQueue | None = PrivateAttr(default=None)
+    _warmup: WarmupPool | None = PrivateAttr(default=None)
     _warmup_lock: Any = PrivateAttr(default_factory=threading.Lock)
-    _hook: Any = PrivateAttr(default=None)
     _last_stats: BlendStats | None = PrivateAttr(default=None)
+    _warned_fallback: bool = PrivateAttr(default=False)
 
     def __init__(
         self,
@@ -108,6 +119,7 @@ class BlendLLM(CustomLLM):
         )
         self._engine = engine
         self._prompt_format = qa_prompt_format(text_qa_template, self.system_prompt)
+        install_retrieval_recorder()
 
     @classmethod
     def class_name(cls) -> str:
@@ -159,6 +171,11 @@ class BlendLLM(CustomLLM):
 
     def _open_completion(self, prompt: str, formatted: bool, kwargs: dict) -> Any:
         """Start an engine stream: fused over ``chunks`` when given, else a full prefill."""
+        stream = self._open_engine(prompt, formatted, kwargs)
+        stream.requested_mode = kwargs.get("mode", self.mode)
+        return stream
+
+    def _open_engine(self, prompt: str, formatted: bool, kwargs: dict) -> Any:
         chunks = kwargs.get("chunks")
         if chunks is not None:
             question = kwargs.get("question")
@@ -173,14 +190,29 @@ class BlendLLM(CustomLLM):
                 **self._decoding(kwargs),
             )
         if formatted:
-            ids = list(self._engine.tokenizer(prompt)["input_ids"])
-        else:
-            messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
-            ids = self._engine.chat_ids(self._chat_dicts(messages, add_system=True))
-        return self._engine.stream_prompt(ids, **self._decoding(kwargs))
+            return self._open_text(None, prompt, kwargs)
+        messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
+        return self._open_text(self._chat_dicts(messages, add_system=True), None, kwargs)
 
     def _open_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> Any:
-        ids = self._engine.chat_ids(self._chat_dicts(messages))
+        stream = self._open_text(self._chat_dicts(messages), None, kwargs)
+        stream.requested_mode = kwargs.get("mode", self.mode)
+        return stream
+
+    def _open_text(self, chat: list[dict] | None, text: str | None, kwargs: dict) -> Any:
+        """A text prompt: split at the known chunks it contains and fuse them (blend/reuse),
+        else a full prefill over the chat template (or the raw ``text``)."""
+        mode = kwargs.get("mode", self.mode)
+        if mode in ("reuse", "blend"):
+            tokenizer = self._engine.tokenizer
+            prompt = chunked_prompt(tokenizer, chat, text, index=known_chunks(self._engine))
+            if prompt is not None:
+                ratio = kwargs.get("ratio", self.ratio)
+                return self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
+        if chat is None:
+            ids = list(self._engine.tokenizer(text)["input_ids"])
+        else:
+            ids = self._engine.chat_ids(chat)
         return self._engine.stream_prompt(ids, **self._decoding(kwargs))
 
     def _chat_dicts(self, messages: Sequence[ChatMessage], add_system: bool = False) -> list:
@@ -189,16 +221,29 @@ class BlendLLM(CustomLLM):
             out.insert(0, {"role": "system", "content": self.system_prompt})
         return out
 
-    @staticmethod
-    def _drain(stream: Any) -> BlendResult:
-        for _ in stream:
-            pass
-        return stream.result
+    def _querying(self) -> Any:
+        """While a query decodes, background warmup starts no new chunk."""
+        pool = self._warmup
+        return pool.query() if pool is not None else contextlib.nullcontext()
+
+    def _drain(self, stream: Any) -> BlendResult:
+        with self._querying():
+            for _ in stream:
+                pass
+        return _result_of(stream)
 
     def _finish(self, result: BlendResult) -> dict:
-        """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``)."""
-        self._last_stats = result.stats
+        """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``).
+
+        A blend/reuse call that fused no chunk reports ``mode="full"`` and
+        ``extra["fallback_reason"]``, and warns once per instance.
+        """
         stats = result.stats
+        reason = mark_fallback(stats, stats.extra.get("requested_mode") or self.mode)
+        if reason is not None and not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning(fallback_message("BlendLLM", reason))
+        self._last_stats = stats
         usage = {
             "prompt_tokens": stats.prompt_tokens,
             "completion_tokens": stats.completion_tokens,
@@ -223,18 +268,20 @@ class BlendLLM(CustomLLM):
 
     def _completion_gen(self, stream: Any) -> Iterator[CompletionResponse]:
         text = ""
-        for delta in stream:
-            text += delta
-            yield CompletionResponse(text=text, delta=delta)
-        yield self._completion(stream.result, delta="")
+        with self._querying():
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+        yield self._completion(_result_of(stream), delta="")
 
     def _chat_gen(self, stream: Any) -> Iterator[ChatResponse]:
         text = ""
-        for delta in stream:
-            text += delta
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            yield ChatResponse(message=message, delta=delta)
-        yield self._chat_response(stream.result, delta="")
+        with self._querying():
+            for delta in stream:
+                text += delta
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+                yield ChatResponse(message=message, delta=delta)
+        yield self._chat_response(_result_of(stream), delta="")
 
     # ------------------------------------------------------------------ sync API
     @llm_completion_callback()
@@ -287,69 +334,31 @@ class BlendLLM(CustomLLM):
         stream = await asyncio.to_thread(self._open_chat, messages, kwargs)
         return _athread(self._chat_gen(stream))
 
-    # ------------------------------------------------------------------ RAG helpers
-    def synthesizer(
-        self,
-        streaming: bool = False,
-        text_qa_template: BasePromptTemplate | None = None,
-        **kwargs: Any,
-    ) -> BlendSynthesizer:
-        """A stuff-mode synthesizer that hands each retrieved node to the engine as a chunk."""
-        from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
-
-        return BlendSynthesizer(
-            llm=self, streaming=streaming, text_qa_template=text_qa_template, **kwargs
-        )
-
-    def as_query_engine(
-        self,
-        index: BaseIndex,
-        *,
-        streaming: bool = False,
-        text_qa_template: BasePromptTemplate | None = None,
-        warm_on_retrieval: bool = True,
-        **kwargs: Any,
-    ) -> RetrieverQueryEngine:
-        """``index.as_query_engine`` with this LLM and the chunk-preserving synthesizer.
-
-        ``warm_on_retrieval`` also enables :meth:`enable_retrieval_warmup`. Other keyword
-        arguments go to ``index.as_query_engine`` (e.g. ``similarity_top_k``); a
-        ``callback_manager`` is also given to the synthesizer and this LLM.
-        """
-        if warm_on_retrieval:
-            self.enable_retrieval_warmup()
-        # the index's retriever rejects a second callback manager, and index.as_query_engine
-        # gives the LLM the index's one: install ours on the synthesizer (and LLM) afterwards
-        manager = kwargs.pop("callback_manager", None)
-        synth = self.synthesizer(streaming=streaming, text_qa_template=text_qa_template)
-        query_engine = index.as_query_engine(llm=self, response_synthesizer=synth, **kwargs)
-        if manager is not None:
-            synth.callback_manager = manager
-            query_engine.callback_manager = manager
-        return query_engine
-
     # ------------------------------------------------------------------ warmup
     @property
-    def warmup_queue(self) -> WarmupQueue:
-        """Background precompute queue in this LLM's prompt context (created on first use)."""
+    def warmup_queue(self) -> WarmupPool:
+        """The core background precompute pool (created on first use)."""
         with self._warmup_lock:
             if self._warmup is None:
-                self._warmup = WarmupQueue(self._engine, prompt_format=self._prompt_format)
+                self._warmup = WarmupPool(self._engine)
             return self._warmup
 
     def warmup(self, texts: Iterable[str], only_missing: bool = False) -> int:
-        """Enqueue texts for background KV precompute; returns how many were enqueued."""
-        texts = [t for t in texts if t and t.strip()]
-        if only_missing:
-            texts = [t for t in texts if not self.is_cached(t)]
-        return self.warmup_queue.submit(texts) if texts else 0
+        """Enqueue texts for background KV precompute in this LLM's prompt layout.
+
+        ``only_missing`` (retrieval-time warmup) skips stored texts and queues the rest before
+        the ingestion backlog. Returns how many were enqueued.
+        """
+        priority = RETRIEVAL if only_missing else BACKLOG
+        return self.warmup_queue.warm(
+            texts, self._prompt_format, priority=priority, only_missing=only_missing
+        )
 
     def warmup_nodes(
         self, nodes: Iterable[BaseNode | NodeWithScore], only_missing: bool = False
     ) -> int:
         """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute."""
-        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
-        return self.warmup(texts, only_missing=only_missing)
+        return self.warmup(node_texts(nodes), only_missing=only_missing)
 
     def is_cached(self, text: str) -> bool:
         """Whether ``text``'s chunk KV is in the store, in this LLM's prompt context."""
@@ -359,76 +368,23 @@ class BlendLLM(CustomLLM):
         """Block until queued warmup is done (or ``timeout`` s pass); True when all done."""
         if self._warmup is None:
             return True
-        if timeout is None:
-            self._warmup.join()
-            return True
-        deadline = time.monotonic() + timeout
-        while self._warmup.pending():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
-    def enable_retrieval_warmup(self, dispatcher: Any = None) -> BlendRetrievalHook:
-        """Enqueue retrieved nodes that miss the store (instrumentation RetrievalEndEvent)."""
-        from llama_index.llms.ragblend.warmup import BlendRetrievalHook
-
-        if self._hook is None:
-            self._hook = BlendRetrievalHook(self)
-            self._hook.attach(dispatcher)
-        return self._hook
-
-    def disable_retrieval_warmup(self) -> None:
-        """Remove the retrieval hook installed by :meth:`enable_retrieval_warmup`."""
-        if self._hook is not None:
-            self._hook.detach()
-            self._hook = None
+        return self._warmup.wait(timeout)
 
     def close(self) -> None:
-        """Detach the retrieval hook and stop the warmup workers (finishing queued work)."""
-        self.disable_retrieval_warmup()
+        """Stop the warmup workers (finishing queued work)."""
         with self._warmup_lock:
             queue, self._warmup = self._warmup, None
         if queue is not None:
             queue.close()
 
 
+def _result_of(stream: Any) -> BlendResult:
+    """The stream's result, its stats noting the mode the caller asked for."""
+    result = stream.result
+    result.stats.extra.setdefault("requested_mode", getattr(stream, "requested_mode", None))
+    return result
+
+
 def _athread(gen: Iterator[Any]) -> AsyncIterator[Any]:
-    """Run a blocking generator in a daemon thread; iterate its items asynchronously."""
-
-    async def agen() -> AsyncIterator[Any]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-
-        def put(item: Any, exc: BaseException | None = None) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (item, exc))
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                stop.set()
-
-        def produce() -> None:
-            try:
-                for item in gen:
-                    if stop.is_set():  # the consumer went away: stop decoding
-                        gen.close()
-                        return
-                    put(item)
-            except BaseException as exc:  # forwarded to the consumer
-                put(_DONE, exc)
-                return
-            put(_DONE)
-
-        threading.Thread(target=produce, name="ragblend-llamaindex-stream", daemon=True).start()
-        try:
-            while True:
-                item, exc = await queue.get()
-                if item is _DONE:
-                    if exc is not None:
-                        raise exc
-                    return
-                yield item
-        finally:
-            stop.set()
-
-    return agen()
+    """Iterate a blocking generator asynchronously (core thread → asyncio bridge)."""
+    return aiter_in_thread(lambda _cancel: gen, name="ragblend-llamaindex-stream")

@@ -64,9 +64,7 @@ def _chat_choice(template: SelectorPromptTemplate) -> BasePromptTemplate:
     return template.default_template
 
 
-def _from_text(
-    text: str, partials: dict, system: str | None, separator: str
-) -> PromptFormat:
+def _from_text(text: str, partials: dict, system: str | None, separator: str) -> PromptFormat:
     """Apply the template's partial variables, then split it around ``{context_str}``."""
     if partials:
         keep = {"context_str": "{context_str}", "query_str": "{query_str}"}

@@ -56,8 +56,10 @@ class BlendWarmup(TransformComponent):
 class BlendRetrievalHook(BaseEventHandler):
     """Instrumentation handler: on ``RetrievalEndEvent`` enqueue retrieved nodes not yet stored.
 
-    Installed by ``llm.enable_retrieval_warmup()`` (and ``llm.as_query_engine``) on the root
-    dispatcher; the current query is not delayed, later queries over those nodes hit the store.
+    Process-wide opt-in (``BlendRetrievalHook(llm).attach()``): it sees every retrieval on the
+    dispatcher. To warm only the retrievals of query engines that use this LLM, use
+    :func:`~llama_index.llms.ragblend.query_engine.blend_query_engine` (a
+    :class:`~llama_index.llms.ragblend.query_engine.WarmingRetriever`) instead.
     """
 
     enqueued: int = 0

@@ -16,29 +16,43 @@ from llama_index.core.llms import ChatMessage, MessageRole  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.response_synthesizers import get_response_synthesizer  # noqa: E402
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
+from ragblend import RagblendError  # noqa: E402
+from ragblend.prompt import split_chat_template  # noqa: E402
+
 from llama_index.llms.ragblend import (  # noqa: E402
     BlendLLM,
     BlendSynthesizer,
     BlendWarmup,
     MiniLMEmbedding,
 )
-
-from ragblend import RagblendError  # noqa: E402
-from ragblend.prompt import split_chat_template  # noqa: E402
+from llama_index.llms.ragblend.query_engine import (  # noqa: E402
+    WarmingRetriever,
+    blend_query_engine,
+    blend_synthesizer,
+)
 
 MAX_NEW = 6
 TOP_K = 3
 QUESTION = "Where was the author of Hannibal and Scipio educated?"
 DOCS = [
-    ("Hannibal and Scipio", "Hannibal and Scipio is a Caroline era stage play written by "
-     "Thomas Nabbes in 1635."),
-    ("Thomas Nabbes", "Thomas Nabbes was an English dramatist. He was educated at Exeter "
-     "College, Oxford."),
+    (
+        "Hannibal and Scipio",
+        "Hannibal and Scipio is a Caroline era stage play written by Thomas Nabbes in 1635.",
+    ),
+    (
+        "Thomas Nabbes",
+        "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford.",
+    ),
     ("Punica", "The Punica is a Latin epic poem in seventeen books written by Silius Italicus."),
-    ("Exeter College", "Exeter College is a constituent college of the University of Oxford, "
-     "founded in 1314."),
-    ("Caroline era", "The Caroline era is the period of English history during the reign of "
-     "Charles I, from 1625 to 1642."),
+    (
+        "Exeter College",
+        "Exeter College is a constituent college of the University of Oxford, founded in 1314.",
+    ),
+    (
+        "Caroline era",
+        "The Caroline era is the period of English history during the reign of "
+        "Charles I, from 1625 to 1642.",
+    ),
 ]
 COLD_DOCS = [
     ("Lake Baikal", "Lake Baikal is a rift lake in Siberia and the deepest lake in the world."),
@@ -86,7 +100,10 @@ def index(tmp_path_factory, embed, llm) -> VectorStoreIndex:
     """Chroma-backed index whose nodes were precomputed by the ingestion transform."""
     splitter = SentenceSplitter(chunk_size=1024)
     index = _chroma_index(
-        tmp_path_factory.mktemp("chroma"), "ragblend-docs", DOCS, embed,
+        tmp_path_factory.mktemp("chroma"),
+        "ragblend-docs",
+        DOCS,
+        embed,
         [splitter, embed, BlendWarmup(llm)],
     )
     assert llm.wait_for_warmup(timeout=300)
@@ -139,7 +156,7 @@ def test_synthesizer_hands_engine_retrieved_texts_as_separate_chunks_in_order(
         return original(question, chunks, **kwargs)
 
     monkeypatch.setattr(engine, "stream", spy)
-    response = llm.as_query_engine(index, similarity_top_k=TOP_K).query(QUESTION)
+    response = blend_query_engine(llm, index, similarity_top_k=TOP_K).query(QUESTION)
 
     expected = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in response.source_nodes]
     assert len(calls) == 1
@@ -160,7 +177,8 @@ def test_prompt_text_is_llamaindex_stuff_mode_prompt(index, llm, monkeypatch):
         return original(messages)
 
     monkeypatch.setattr(engine, "chat_ids", spy)
-    stock = get_response_synthesizer(llm=llm, response_mode="simple_summarize")
+    full = BlendLLM(engine=engine, mode="full", max_new_tokens=MAX_NEW)  # the stock chat text
+    stock = get_response_synthesizer(llm=full, response_mode="simple_summarize")
     stock.get_response(QUESTION, texts)
     assert len(captured) == 1
     stuff_text = engine.tokenizer.apply_chat_template(
@@ -172,14 +190,14 @@ def test_prompt_text_is_llamaindex_stuff_mode_prompt(index, llm, monkeypatch):
     joined = "\n".join(texts)
     stuff_text = stuff_text.replace(str([joined]), joined)
 
-    fmt = llm.synthesizer().prompt_format
+    fmt = blend_synthesizer(llm).prompt_format
     head, tail = split_chat_template(engine.tokenizer, fmt.system)
     assert head + fmt.user_text(texts, QUESTION) + tail == stuff_text
 
 
 def test_ingested_nodes_are_cache_hits_after_warmup(index, llm):
     assert all(llm.is_cached(text) for text in _retrieved_texts(index))
-    llm.as_query_engine(index, similarity_top_k=TOP_K).query(QUESTION)
+    blend_query_engine(llm, index, similarity_top_k=TOP_K).query(QUESTION)
     stats = llm.last_stats
     assert stats.mode == "blend"
     assert stats.chunk_misses == 0
@@ -188,7 +206,7 @@ def test_ingested_nodes_are_cache_hits_after_warmup(index, llm):
 
 def test_blend_at_ratio_one_equals_full_prefill_through_same_query_engine(embedded_engine, index):
     llm = BlendLLM(engine=embedded_engine, mode="blend", ratio=1.0, max_new_tokens=MAX_NEW)
-    query_engine = llm.as_query_engine(index, similarity_top_k=TOP_K, warm_on_retrieval=False)
+    query_engine = blend_query_engine(llm, index, similarity_top_k=TOP_K, warm_on_retrieval=False)
     blended = str(query_engine.query(QUESTION))
     assert llm.last_stats.mode == "blend" and llm.last_stats.recomputed_fraction == 1.0
     llm.mode = "full"
@@ -198,8 +216,8 @@ def test_blend_at_ratio_one_equals_full_prefill_through_same_query_engine(embedd
 
 
 def test_streaming_query_yields_the_non_streaming_text(index, llm):
-    expected = str(llm.as_query_engine(index, similarity_top_k=TOP_K).query(QUESTION))
-    streaming = llm.as_query_engine(index, similarity_top_k=TOP_K, streaming=True)
+    expected = str(blend_query_engine(llm, index, similarity_top_k=TOP_K).query(QUESTION))
+    streaming = blend_query_engine(llm, index, similarity_top_k=TOP_K, streaming=True)
     response = streaming.query(QUESTION)
     deltas = list(response.response_gen)
     assert len(deltas) > 1
@@ -208,7 +226,7 @@ def test_streaming_query_yields_the_non_streaming_text(index, llm):
 
 
 def test_async_query_and_async_stream_match_sync_without_blocking_the_loop(index, llm):
-    expected = str(llm.as_query_engine(index, similarity_top_k=TOP_K).query(QUESTION))
+    expected = str(blend_query_engine(llm, index, similarity_top_k=TOP_K).query(QUESTION))
 
     async def run() -> tuple[str, str, int]:
         ticks = 0
@@ -222,9 +240,9 @@ def test_async_query_and_async_stream_match_sync_without_blocking_the_loop(index
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0)
         start = ticks
-        response = await llm.as_query_engine(index, similarity_top_k=TOP_K).aquery(QUESTION)
+        response = await blend_query_engine(llm, index, similarity_top_k=TOP_K).aquery(QUESTION)
         during = ticks - start
-        streaming = llm.as_query_engine(index, similarity_top_k=TOP_K, streaming=True)
+        streaming = blend_query_engine(llm, index, similarity_top_k=TOP_K, streaming=True)
         stream = await streaming.aquery(QUESTION)
         text = "".join([delta async for delta in stream.async_response_gen()])
         task.cancel()
@@ -236,32 +254,32 @@ def test_async_query_and_async_stream_match_sync_without_blocking_the_loop(index
     assert ticks >= 2  # the event loop kept running while the engine worked
 
 
-def test_retrieval_hook_enqueues_retrieved_nodes_missing_from_store(
-    tmp_path, embed, embedded_engine, llm
+def test_warming_retriever_enqueues_missed_nodes_and_plain_retrievals_do_not(
+    tmp_path, embed, embedded_engine
 ):
-    llm.disable_retrieval_warmup()  # only the hook under test may react to these retrievals
     llm = BlendLLM(engine=embedded_engine, max_new_tokens=MAX_NEW)
     try:
         index = _chroma_index(
             tmp_path, "ragblend-cold", COLD_DOCS, embed, [SentenceSplitter(chunk_size=1024), embed]
         )
         retriever = index.as_retriever(similarity_top_k=2)
-        texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in
-                 retriever.retrieve("Which lake is in Siberia?")]
+        texts = [
+            n.node.get_content(metadata_mode=MetadataMode.LLM)
+            for n in retriever.retrieve("Which lake is in Siberia?")
+        ]
+        assert llm.warmup_queue.pending() == 0  # a retrieval outside BlendLLM engines: no warmup
         assert not any(llm.is_cached(t) for t in texts)
 
-        hook = llm.enable_retrieval_warmup()
-        retriever.retrieve("Which lake is in Siberia?")
-        assert hook.enqueued == len(texts) == 2
+        WarmingRetriever(retriever, llm).retrieve("Which lake is in Siberia?")
         assert llm.wait_for_warmup(timeout=300)
+        assert llm.warmup_queue.stored == len(texts) == 2
         assert all(llm.is_cached(t) for t in texts)
 
-        retriever.retrieve("Which lake is in Siberia?")  # all stored now: nothing new
-        assert hook.enqueued == 2
+        WarmingRetriever(retriever, llm).retrieve("Which lake is in Siberia?")
+        assert llm.wait_for_warmup(timeout=300)
+        assert llm.warmup_queue.stored == 2  # all stored now: nothing new
     finally:
         llm.close()
-    retriever.retrieve("Which lake is in Siberia?")  # detached: the hook sees nothing
-    assert hook.enqueued == 2
 
 
 def test_warmup_transform_returns_nodes_without_waiting_for_precompute(
@@ -301,8 +319,8 @@ def test_token_counting_handler_counts_engine_usage(index, embedded_engine):
     counter = TokenCountingHandler()  # its own tokenizer differs: counts must come from usage
     llm = BlendLLM(engine=embedded_engine, max_new_tokens=MAX_NEW)
     manager = CallbackManager([counter])
-    query_engine = llm.as_query_engine(
-        index, similarity_top_k=TOP_K, callback_manager=manager, warm_on_retrieval=False
+    query_engine = blend_query_engine(
+        llm, index, similarity_top_k=TOP_K, callback_manager=manager, warm_on_retrieval=False
     )
     query_engine.query(QUESTION)
     first = llm.last_stats
@@ -310,8 +328,12 @@ def test_token_counting_handler_counts_engine_usage(index, embedded_engine):
     assert counter.prompt_llm_token_count == first.prompt_tokens > 0
     assert counter.completion_llm_token_count == first.completion_tokens > 0
 
-    streaming = llm.as_query_engine(
-        index, similarity_top_k=TOP_K, streaming=True, callback_manager=manager,
+    streaming = blend_query_engine(
+        llm,
+        index,
+        similarity_top_k=TOP_K,
+        streaming=True,
+        callback_manager=manager,
         warm_on_retrieval=False,
     )
     "".join(streaming.query(QUESTION).response_gen)

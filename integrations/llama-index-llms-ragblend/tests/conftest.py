@@ -1,0 +1,30 @@
+"""Fixtures for the LlamaIndex package: the embedded model with canonical chunk context."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def canonical_engine():
+    """Embedded SmolLM2 engine (RAM store); chunks precomputed in the canonical context."""
+    from ragblend import BlendConfig, BlendEngine
+
+    return BlendEngine.from_pretrained(
+        "embedded", config=BlendConfig(precompute_context="canonical")
+    )
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """The embedded SmolLM2-135M-Instruct engine (RAM store), shared by the session."""
+    from ragblend import BlendEngine
+
+    return BlendEngine.from_pretrained("embedded")

@@ -1,0 +1,62 @@
+"""WarmupPool scheduling: retrieval misses jump the backlog; workers pause while a query runs.
+
+The engine here is a recording stand-in (the pool only needs ``prompt_head``, ``is_cached``,
+``precompute_ids`` and a tokenizer); precompute itself is covered in test_warmup.py.
+"""
+
+import threading
+
+from ragblend.warmup import RETRIEVAL, WarmupPool
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.order: list[list[int]] = []
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def prompt_head(self, prompt_format=None) -> list[int]:
+        return [1]
+
+    def is_cached(self, text, prompt_format=None) -> bool:
+        return False
+
+    def precompute_ids(self, ids, head) -> bool:
+        self.started.set()
+        self.gate.wait(5)
+        self.order.append(list(ids))
+        return True
+
+
+def test_retrieval_misses_run_before_the_ingestion_backlog():
+    engine = RecordingEngine()
+    with WarmupPool(engine) as pool:
+        pool.warm_ids([[10]])  # occupies the worker until the gate opens
+        assert engine.started.wait(5)
+        pool.warm_ids([[20], [21]])
+        pool.warm_ids([[30]], priority=RETRIEVAL)
+        engine.gate.set()
+        assert pool.wait(5)
+    assert engine.order == [[10], [30], [20], [21]]
+
+
+def test_workers_start_no_new_chunk_while_a_query_runs():
+    engine = RecordingEngine()
+    engine.gate.set()
+    with WarmupPool(engine) as pool:
+        with pool.query():
+            pool.warm_ids([[1], [2]])
+            assert not pool.wait(0.3)  # paused: nothing done
+            assert engine.order == []
+        assert pool.wait(5)
+    assert engine.order == [[1], [2]]
+
+
+def test_duplicates_under_one_layout_are_queued_once():
+    engine = RecordingEngine()
+    engine.gate.set()
+    with WarmupPool(engine) as pool:
+        with pool.query():
+            assert pool.warm_ids([[5], [5]]) == 1
+        assert pool.wait(5)
+    assert engine.order == [[5]]
