@@ -108,12 +108,13 @@ def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, to
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS[:1])
-    (key,) = [k for k in store.keys() if k != engine._prefix_key(engine.prompt_head())]
+    context = engine._context_ids(engine.prompt_head())
+    (key,) = [k for k in store.keys() if k != engine._prefix_key(context)]
     meta = store._entry(key)
     assert meta["fingerprint"] == engine.fingerprint
     assert meta["dtype"] == "torch.float32"
     assert meta["version"] == codec.FORMAT_VERSION
-    assert meta["context"] == engine.chunk_key(context_ids=engine.prompt_head(), chunk_ids=[])[:16]
+    assert meta["context"] == engine.chunk_key(context_ids=context, chunk_ids=[])[:16]
     assert meta["tokens"] == len(tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"])
 
 
