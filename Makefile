@@ -36,8 +36,10 @@ demo: install
 	$(BIN)/ragblend demo --dataset $(DATASET)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/llamaindex_rag.py --dataset $(DATASET) --questions 2
 
+# One pytest run per suite: each package's tests/ has its own conftest (partner-package layout).
 test: install
-	$(BIN)/python -m pytest -q tests integrations/*/tests
+	$(BIN)/python -m pytest -q tests
+	for d in integrations/*/tests; do $(BIN)/python -m pytest -q $$d || exit 1; done
 
 bench: install
 	$(BIN)/ragblend bench --dataset $(DATASET) --limit 10 --top-k 6 --chunk-tokens 512 \

@@ -622,7 +622,8 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
     engine = BlendEngine(
         model,
         IdTokenizer(),
-        BlendConfig(device=str(device), dtype=args.dtype),
+        # Driven with token ids only (no chat template): chunks are keyed by the given head.
+        BlendConfig(device=str(device), dtype=args.dtype, precompute_context="prefix"),
         store=master,
         name=f"{shape} (random weights)",
     )

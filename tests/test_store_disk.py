@@ -265,7 +265,8 @@ def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tok
     _flip_layer_byte(store, prefix_key)
     got = engine.prefill(prompt, mode="blend")  # the head's cache is recomputed and re-stored
     assert torch.equal(got.logits, want.logits) and prefix_key in store
-    _flip_layer_byte(store, prefix_key)
+    context_key = engine._prefix_key(engine._context_ids(prompt.head))  # precompute's head
+    _flip_layer_byte(store, context_key)
     assert engine.precompute(CHUNKS[2:]) == 1
     assert store.verify()["corrupt"] == 0
 

@@ -171,7 +171,8 @@ def test_bench_on_the_redis_tier_records_it_and_hits(dataset, model_dir, redis_s
     assert results["settings"]["tier"] == "redis"
     assert results["settings"]["namespace"] == "bench"
     assert RedisStore(redis_server.url, namespace="bench").ping()
-    assert len(list(RedisStore(redis_server.url, namespace="bench").keys())) == 5  # 4 + head
+    # 4 chunks + the canonical precompute head + the query's own prompt head
+    assert len(list(RedisStore(redis_server.url, namespace="bench").keys())) == 6
 
 
 # ---------------------------------------------------------------------- Ray
