@@ -274,8 +274,10 @@ def mark_fallback(stats, requested_mode: str) -> str | None:
     controller = stats.extra.get("controller") or {}
     if reason is None and controller.get("fallback_full"):
         reason = "controller_full"
+    elif reason is None and stats.fallback_reason is not None:
+        reason = "cache_miss"  # the engine had chunks to fuse, and none of them hit
     elif reason is None and stats.mode == "full":
-        reason = "no_known_chunk"
+        reason = "no_known_chunk"  # the integration found no chunk in the text
     elif reason is None and not stats.chunk_hits:
         reason = "cache_miss"
     if reason is not None:
