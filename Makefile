@@ -6,7 +6,7 @@ PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 DATASET ?= ../shared/data/musique_dev.json
 
-.PHONY: venv install demo test bench lint clean redis-server
+.PHONY: venv install demo test bench lint typecheck clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,8 +45,14 @@ bench: install
 	$(BIN)/ragblend bench --dataset $(DATASET) --limit 10 --top-k 6 --chunk-tokens 512 \
 		--modes full,prefix,reuse,blend --repeats 3 --out out/bench
 
+LINT_PATHS := ragblend tests integrations examples benchmarks
+
 lint: install
-	$(BIN)/ruff check ragblend tests integrations examples
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+
+typecheck: install
+	$(BIN)/mypy ragblend
 
 clean:
 	rm -rf $(VENV) out

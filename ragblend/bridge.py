@@ -61,6 +61,6 @@ async def aiter_in_thread(
                 if exc is not None:
                     raise exc
                 return
-            yield item  # type: ignore[misc]
+            yield item
     finally:
         cancel.set()

@@ -27,7 +27,7 @@ from ragblend.prompt import (
     encode,
     tokenize_prompt,
 )
-from ragblend.store.base import ChunkKV, KVStore
+from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.keys import chunk_key
 from ragblend.store.quant import pack
 
@@ -131,15 +131,16 @@ class ChunkCache:
         }
         return ChunkKV(k=k, v=v, meta=meta)
 
-    def prefix_kv(self, head: list[int]) -> ChunkKV | None:
+    def prefix_kv(self, head: list[int]) -> KVEntry | None:
         """Exact KV of a prompt head (computed once, then served from the store)."""
         if not head:
             return None
         key = self.prefix_key(head)
         kv = self.store.get(key)
         if kv is None:
-            kv = self.compute_kv(head, [])
-            self.store.put(key, kv)
+            computed = self.compute_kv(head, [])
+            self.store.put(key, computed)
+            return computed
         return kv
 
     def precompute_ids(self, chunk_ids: Sequence[int], head: list[int]) -> bool:

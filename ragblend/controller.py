@@ -282,10 +282,10 @@ def measure_disk_bandwidth(
     fd, name = tempfile.mkstemp(dir=directory, prefix=".bandwidth-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(memoryview(buf.numpy()))
+            f.write(buf.numpy().data)
             f.flush()
             os.fsync(f.fileno())
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         rfd = os.open(name, os.O_RDONLY)
         try:
             if hasattr(os, "posix_fadvise"):

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,11 @@ from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
 from ragblend.store.memory import MemoryStore
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ragblend.controller import LoadingController
+
 log = logging.getLogger(__name__)
 
 __all__ = ["BlendEngine", "BlendResult", "BlendStats", "BlendStream", "Prefill"]
@@ -53,7 +59,7 @@ class BlendEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer,
         config: BlendConfig | None = None,
         store: KVStore | None = None,
@@ -71,7 +77,8 @@ class BlendEngine:
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
         self.on_miss: Callable[[list[str]], None] | None = None
-        self.controller = None  # the LoadingController, made on first use of ratio="auto"
+        # the LoadingController, made on first use of ratio="auto"
+        self.controller: LoadingController | None = None
         self._lock = threading.Lock()
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])

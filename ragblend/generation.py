@@ -12,12 +12,16 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ragblend.errors import RagblendError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -123,12 +127,13 @@ class _Sampler:
         """The next token from ``logits`` [vocab]; ``history`` is the ids so far."""
         if self.params.greedy:
             return int(torch.argmax(logits))
-        scores = self.warpers(torch.tensor([history]), logits.view(1, -1).float().cpu())
+        input_ids = cast("torch.LongTensor", torch.tensor([history]))
+        scores = self.warpers(input_ids, logits.view(1, -1).float().cpu())
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def decode_cache(model: torch.nn.Module, prompt_cache, total_len: int):
+def decode_cache(model: PreTrainedModel, prompt_cache, total_len: int):
     """A cache for decoding that holds ``prompt_cache``'s K/V and room for ``total_len`` tokens.
 
     Where every layer can hold ``total_len`` tokens (full attention, or a sliding window no
@@ -155,7 +160,7 @@ def decode_cache(model: torch.nn.Module, prompt_cache, total_len: int):
 
 
 def decode_tokens(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prefill: Prefill,
     params: SamplingParams,
     max_new_tokens: int,
@@ -202,7 +207,7 @@ class BlendStream:
     ``finish_reason == "stop"``.
     """
 
-    def __init__(self, run: Callable[[BlendStream], Iterator[str]]) -> None:
+    def __init__(self, run: Callable[[BlendStream], Generator[str, None, None]]) -> None:
         self.result: BlendResult | None = None
         self._deltas = run(self)
 
@@ -220,7 +225,7 @@ class BlendStream:
                 delta = await asyncio.to_thread(next, self._deltas, done)
                 if delta is done:
                     return
-                yield delta  # type: ignore[misc]
+                yield cast(str, delta)
         finally:
             self.close()
 
@@ -270,7 +275,7 @@ class Decoder:
         the lock is released when the stream is exhausted, closed or garbage-collected.
         ``started`` (a perf_counter value) backdates TTFT, e.g. to include tokenisation."""
 
-        def run(stream: BlendStream) -> Iterator[str]:
+        def run(stream: BlendStream) -> Generator[str, None, None]:
             with lock:
                 t0 = time.perf_counter()
                 pre = prefill()
@@ -294,7 +299,7 @@ class Decoder:
 
 
 def teacher_forced_logits(
-    model: torch.nn.Module, prefill: Prefill, answer_ids: list[int]
+    model: PreTrainedModel, prefill: Prefill, answer_ids: list[int]
 ) -> torch.Tensor:
     """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
     rows = [prefill.logits.view(1, -1)]

@@ -133,7 +133,7 @@ def warm_on_ray(
                 on_batch(done["stored"] + done["skipped"] + done["failed"])
     finally:
         for actor in pool_actors:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # ray types remote(cls) as a union
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import cast
 
 from ragblend.config import KV_DTYPES, MODES, BlendConfig
 
@@ -83,9 +84,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tier == "redis":
         from ragblend.store import make_store
+        from ragblend.store.redis import RedisStore
 
-        store = make_store("redis", url=args.redis_url, namespace=args.namespace)
-        before = lambda variant: store.flush()  # noqa: E731  (measure reads from Redis)
+        redis_store = cast(
+            RedisStore, make_store("redis", url=args.redis_url, namespace=args.namespace)
+        )
+        store = redis_store
+        before = lambda variant: redis_store.flush()  # noqa: E731  (measure reads from Redis)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
     variants = [Variant(m, m) for m in modes]

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ragblend.store.base import ChunkKV
+from ragblend.store.base import ChunkKV, KVEntry
 
 
 class LayerLoader:
@@ -33,7 +33,7 @@ class LayerLoader:
 
     def __init__(
         self,
-        caches: Sequence[ChunkKV | None],
+        caches: Sequence[KVEntry | None],
         lengths: Sequence[int],
         num_layers: int,
         kv_heads: int,
@@ -123,7 +123,8 @@ class LayerLoader:
                 if isinstance(item, BaseException):
                     raise item
                 layer, k, v, ready = item
-                if ready is not None:
+                if ready is not None:  # only the CUDA stager hands out events
+                    assert stager is not None
                     stager.consume(k, v, ready)
                 self.wait_s += time.perf_counter() - t0
                 with self._count_lock:

@@ -10,9 +10,14 @@ import torch
 
 
 class HasCache(Protocol):
-    ids: list[int]
-    kv: object | None
-    exact: bool
+    @property
+    def ids(self) -> list[int]: ...
+
+    @property
+    def kv(self) -> object | None: ...
+
+    @property
+    def exact(self) -> bool: ...
 
     def __len__(self) -> int: ...
 

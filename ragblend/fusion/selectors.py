@@ -114,12 +114,14 @@ class KVDeviationSelector:
         return _squared_distance(fresh, cached)
 
     def scores(self, check: CheckLayer) -> torch.Tensor:
-        total = None
+        total: torch.Tensor | None = None
         if "k" in self.deviation:
             total = self.distance(check.fresh_k, check.cached_k)
         if "v" in self.deviation:
             dv = self.distance(check.fresh_v, check.cached_v)
             total = dv if total is None else total + dv
+        if total is None:
+            raise RagblendError(f"deviation {self.deviation!r} names neither 'k' nor 'v'")
         return total
 
 

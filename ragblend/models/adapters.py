@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -31,19 +32,21 @@ class LayerwiseModel:
     family = "llama"
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.config = model.config
-        self.decoder = model.model
-        self.layers = list(self.decoder.layers)
+        # HF's module tree and config are dynamic (``Module.__getattr__`` types every child as
+        # ``Tensor | Module``): typed ``Any`` here, once, and the public sizes as ``int``.
+        self.model: Any = cast(Any, model)
+        self.config: Any = self.model.config
+        self.decoder: Any = self.model.model
+        self.layers: list[Any] = list(self.decoder.layers)
         attn = self.layers[0].self_attn
         modeling = sys.modules[type(attn).__module__]
         self._apply_rotary = modeling.apply_rotary_pos_emb
         self._rotate_half = getattr(modeling, "rotate_half", None)
-        self.num_layers = len(self.layers)
-        self.head_dim = attn.head_dim
-        self.num_heads = self.config.num_attention_heads
-        self.num_kv_heads = self.config.num_key_value_heads
-        self.hidden_size = self.config.hidden_size
+        self.num_layers: int = len(self.layers)
+        self.head_dim: int = attn.head_dim
+        self.num_heads: int = self.config.num_attention_heads
+        self.num_kv_heads: int = self.config.num_key_value_heads
+        self.hidden_size: int = self.config.hidden_size
 
     @property
     def device(self) -> torch.device:
@@ -99,7 +102,7 @@ class LayerwiseModel:
     def scaling(self, layer: int) -> float:
         return float(self.layers[layer].self_attn.scaling)
 
-    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shape = (*x.shape[:-1], -1, self.head_dim)
         q = attn.q_proj(x).view(shape).transpose(1, 2)
         k = attn.k_proj(x).view(shape).transpose(1, 2)
@@ -144,7 +147,7 @@ class Qwen2Layerwise(LayerwiseModel):
 class Qwen3Layerwise(Qwen2Layerwise):
     family = "qwen3"
 
-    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shape = (*x.shape[:-1], -1, self.head_dim)
         q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
         k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)

@@ -51,7 +51,8 @@ def embedded_model_dir() -> Path:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    model.hf_quantizer = None
+    # torch types Module.__setattr__ values as Tensor | Module; this is a plain attribute
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config._name_or_path = EMBEDDED_NAME
@@ -99,6 +100,7 @@ def load_model(
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RagblendError(f"device {device!r} requested but CUDA is not available")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
-    model.to(device).eval()
+    # transformers wraps ``to`` in a decorator whose stub loses the bound ``self``
+    model.to(device).eval()  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -74,7 +74,9 @@ class PromotedKV:
         self._above = list(above)
         self.meta = entry.meta
         self._keeps_stored = isinstance(entry, (RedisEntry, StoredKV, ChunkKV))
-        self._layers: dict[int, object] = {}
+        # layers read so far: as stored (``_keeps_stored``) or in the compute dtype
+        self._stored: dict[int, dict[str, torch.Tensor]] = {}
+        self._computed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._promoted = False
         self._lock = threading.Lock()
 
@@ -94,10 +96,11 @@ class PromotedKV:
         kv = self._entry.layer(index)  # CorruptEntryError propagates: the engine recomputes
         with self._lock:
             if self._keeps_stored:
-                self._layers[index] = self._entry.stored_layer(index)
+                self._stored[index] = self._entry.stored_layer(index)
             else:
-                self._layers[index] = kv
-            if len(self._layers) == self.num_layers and not self._promoted:
+                self._computed[index] = kv
+            read = len(self._stored) + len(self._computed)
+            if read == self.num_layers and not self._promoted:
                 self._promoted = True
                 self._promote()
         return kv
@@ -106,14 +109,17 @@ class PromotedKV:
         order = range(self.num_layers)
         if self._keeps_stored:
             full: KVEntry = StoredKV(
-                dict(self.meta), [self._layers[i] for i in order], self.num_tokens
+                dict(self.meta), [self._stored[i] for i in order], self.num_tokens
             )
         else:  # a tier without stored layers: keep the compute-dtype layers
-            k = torch.stack([self._layers[i][0] for i in order])
-            v = torch.stack([self._layers[i][1] for i in order])
+            k = torch.stack([self._computed[i][0] for i in order])
+            v = torch.stack([self._computed[i][1] for i in order])
             full = ChunkKV(k, v, {**self.meta, "kv_dtype": str(k.dtype).removeprefix("torch.")})
         for tier in self._above:
             tier.put(self.key, full)
+
+    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
+        return self._entry.stored_layer(index)
 
     def materialize(self) -> ChunkKV:
         for i in range(self.num_layers):

@@ -378,6 +378,10 @@ class RedisStore:
         except (Unreachable, self._redis_error):
             pass
 
+    def drop_page_cache(self) -> bool:
+        """False: the Redis tier keeps nothing in this machine's files."""
+        return False
+
     def close(self) -> None:
         """Finish queued writes, stop the writer and close the connection pool."""
         with self._state:

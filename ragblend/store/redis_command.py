@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from ragblend.errors import RagblendError
 from ragblend.store.redis import FORMAT_VERSION, RedisStore
@@ -25,7 +26,8 @@ def stats(store: RedisStore) -> dict:
 
 def verify(store: RedisStore, drop: bool = False) -> dict:
     """Read every entry's header and layers and check them (``drop``: delete those that fail)."""
-    report = {"ok": 0, "corrupt": 0, "foreign": 0, "errors": []}
+    errors: list[tuple[str, str]] = []
+    report: dict[str, Any] = {"ok": 0, "corrupt": 0, "foreign": 0, "errors": errors}
     for key in store.keys():
         reason = store.check(key)
         if reason is None:
@@ -35,7 +37,7 @@ def verify(store: RedisStore, drop: bool = False) -> dict:
             continue
         kind = "foreign" if reason.startswith("foreign") else "corrupt"
         report[kind] += 1
-        report["errors"].append((key, reason))
+        errors.append((key, reason))
         if drop:
             store.discard(key)
     return report
