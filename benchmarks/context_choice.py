@@ -38,15 +38,20 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = BlendEngine.from_pretrained("embedded", config=BlendConfig(dtype=args.dtype))
-    cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens,
-                       args.offset + args.limit)[args.offset:]
+    cases = load_cases(
+        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
+    )[args.offset :]
     variants = [Variant("full", "full")]
     for ctx in CONTEXTS:
         variants.append(Variant(f"{ctx} reuse", "reuse", {"precompute_context": ctx}))
         variants.append(Variant(f"{ctx} blend", "blend", {"precompute_context": ctx}))
     results = run_benchmark(engine, cases, variants, 1, args.max_new_tokens)
-    results["settings"] = {**vars(args), "n": len(cases), "ratio": engine.config.ratio,
-                           "torch_threads": torch.get_num_threads()}
+    results["settings"] = {
+        **vars(args),
+        "n": len(cases),
+        "ratio": engine.config.ratio,
+        "torch_threads": torch.get_num_threads(),
+    }
     table = {}
     for ctx in CONTEXTS:
         blend, reuse = results["modes"][f"{ctx} blend"], results["modes"][f"{ctx} reuse"]
@@ -60,17 +65,22 @@ def main() -> None:
         }
     for ctx in CONTEXTS:
         table[ctx]["blend_answer_kl_vs_prefix"] = (
-            table[ctx]["blend_answer_kl"] / table["prefix"]["blend_answer_kl"])
+            table[ctx]["blend_answer_kl"] / table["prefix"]["blend_answer_kl"]
+        )
     results["table"] = table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "context_choice.json").write_text(json.dumps(results, indent=2))
-    print(f"{'context':<11}{'blend ansKL':>12}{'vs prefix':>10}{'blend 1stKL':>12}"
-          f"{'agree':>7}{'reuse ansKL':>12}")
+    print(
+        f"{'context':<11}{'blend ansKL':>12}{'vs prefix':>10}{'blend 1stKL':>12}"
+        f"{'agree':>7}{'reuse ansKL':>12}"
+    )
     for ctx, row in table.items():
-        print(f"{ctx:<11}{row['blend_answer_kl']:>12.4f}{row['blend_answer_kl_vs_prefix']:>10.3f}"
-              f"{row['blend_first_token_kl']:>12.4f}{row['blend_agreement']:>7.2f}"
-              f"{row['reuse_answer_kl']:>12.4f}")
+        print(
+            f"{ctx:<11}{row['blend_answer_kl']:>12.4f}{row['blend_answer_kl_vs_prefix']:>10.3f}"
+            f"{row['blend_first_token_kl']:>12.4f}{row['blend_agreement']:>7.2f}"
+            f"{row['reuse_answer_kl']:>12.4f}"
+        )
 
 
 if __name__ == "__main__":

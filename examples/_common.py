@@ -20,12 +20,20 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="MuSiQue-format JSON")
     p.add_argument("--questions", type=int, default=3, help="questions to answer")
-    p.add_argument("--cases", type=int, default=None,
-                   help="cases whose passages are indexed (default: --questions; 0: all)")
+    p.add_argument(
+        "--cases",
+        type=int,
+        default=None,
+        help="cases whose passages are indexed (default: --questions; 0: all)",
+    )
     p.add_argument("--top-k", type=int, default=6, help="passages retrieved per question")
-    p.add_argument("--persist-dir", type=Path, default=None,
-                   help="Chroma directory (default: a temporary one, removed at exit); "
-                   "an existing collection there is rebuilt")
+    p.add_argument(
+        "--persist-dir",
+        type=Path,
+        default=None,
+        help="Chroma directory (default: a temporary one, removed at exit); "
+        "an existing collection there is rebuilt",
+    )
     p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--ratio", type=float, default=None, help="blend recompute ratio")
@@ -46,8 +54,9 @@ def load_passages(path: Path, cases: int) -> tuple[list[dict], list[dict]]:
             text = ctx["text"].strip()
             if text and text not in seen:
                 seen.add(text)
-                passages.append({"text": text, "title": ctx.get("title") or "",
-                                 "case": case_no, "ctx": ctx_no})
+                passages.append(
+                    {"text": text, "title": ctx.get("title") or "", "case": case_no, "ctx": ctx_no}
+                )
     return data, passages
 
 

@@ -30,9 +30,13 @@ def load_documents(path: Path, cases: int):
     from langchain_core.documents import Document
 
     data, passages = load_passages(path, cases)
-    docs = [Document(page_content=p["text"],
-                     metadata={"case": p["case"], "ctx": p["ctx"], "title": p["title"]})
-            for p in passages]
+    docs = [
+        Document(
+            page_content=p["text"],
+            metadata={"case": p["case"], "ctx": p["ctx"], "title": p["title"]},
+        )
+        for p in passages
+    ]
     return data, docs
 
 
@@ -62,16 +66,19 @@ def main(argv: list[str] | None = None) -> int:
             "full": create_blend_retrieval_chain(retriever, llm.bind(mode="full")),
             "blend": create_blend_retrieval_chain(retriever, llm),
         }
-        print(f"model {llm.model_name} + all-MiniLM-L6-v2 loaded in "
-              f"{time.perf_counter() - t0:.1f} s")
+        print(
+            f"model {llm.model_name} + all-MiniLM-L6-v2 loaded in {time.perf_counter() - t0:.1f} s"
+        )
 
         t0 = time.perf_counter()
         add_documents(store, docs, llm)  # index, and precompute each passage's KV in background
         t_ingest = time.perf_counter() - t0
         llm.wait_for_warmup()
         t_warm = time.perf_counter() - t0
-        print(f"indexed {len(docs)} passages into Chroma at {persist_dir} in {t_ingest:.1f} s; "
-              f"KV warmup done after {t_warm:.1f} s")
+        print(
+            f"indexed {len(docs)} passages into Chroma at {persist_dir} in {t_ingest:.1f} s; "
+            f"KV warmup done after {t_warm:.1f} s"
+        )
 
         warm = KVWarmupCallbackHandler(llm)
         stats = BlendStatsCallbackHandler()
@@ -87,22 +94,30 @@ def main(argv: list[str] | None = None) -> int:
                 extra = ""
                 if name == "blend":
                     hits, misses = rec["chunk_hits"], rec["chunk_misses"]
-                    extra = (f", chunk hits {hits}/{hits + misses}, "
-                             f"recomputed {rec['recomputed_fraction']:.0%}")
-                print(f"  {name:5s} TTFT {rec['ttft_ms']:7.0f} ms "
-                      f"({rec['usage']['input_tokens']} prompt tokens{extra}): "
-                      f"{out['answer'].strip()!r}")
+                    extra = (
+                        f", chunk hits {hits}/{hits + misses}, "
+                        f"recomputed {rec['recomputed_fraction']:.0%}"
+                    )
+                print(
+                    f"  {name:5s} TTFT {rec['ttft_ms']:7.0f} ms "
+                    f"({rec['usage']['input_tokens']} prompt tokens{extra}): "
+                    f"{out['answer'].strip()!r}"
+                )
             print("  sources:")
             for rank, doc in enumerate(out["context"], 1):
                 text = doc.page_content.replace("\n", " ")
-                print(f"    {rank}. case {doc.metadata['case']} ctx {doc.metadata['ctx']}  "
-                      f"{text[:80]}…")
+                print(
+                    f"    {rank}. case {doc.metadata['case']} ctx {doc.metadata['ctx']}  "
+                    f"{text[:80]}…"
+                )
 
         med = {k: statistics.median(v) for k, v in ttft.items()}
         speedups = [f / b for f, b in zip(ttft["full"], ttft["blend"], strict=True) if b > 0]
-        print(f"\nmedian TTFT over {len(ttft['full'])} questions: full {med['full']:.0f} ms, "
-              f"blend {med['blend']:.0f} ms (median speedup {statistics.median(speedups):.2f}x); "
-              f"the warmup callback enqueued {len(warm.enqueued)} missing passages")
+        print(
+            f"\nmedian TTFT over {len(ttft['full'])} questions: full {med['full']:.0f} ms, "
+            f"blend {med['blend']:.0f} ms (median speedup {statistics.median(speedups):.2f}x); "
+            f"the warmup callback enqueued {len(warm.enqueued)} missing passages"
+        )
         llm.close()
     return 0
 

@@ -29,8 +29,10 @@ def load_documents(path: Path, cases: int):
     from llama_index.core import Document
 
     data, passages = load_passages(path, cases)
-    docs = [Document(text=p["text"], metadata={"title": p["title"]} if p["title"] else {})
-            for p in passages]
+    docs = [
+        Document(text=p["text"], metadata={"title": p["title"]} if p["title"] else {})
+        for p in passages
+    ]
     return data, docs
 
 
@@ -65,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         llm = BlendLLM(args.model, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
         full_llm = BlendLLM(engine=llm.engine, mode="full", max_new_tokens=args.max_new_tokens)
         embed = MiniLMEmbedding()
-        print(f"model {llm.metadata.model_name} + all-MiniLM-L6-v2 loaded in "
-              f"{time.perf_counter() - t0:.1f} s")
+        print(
+            f"model {llm.metadata.model_name} + all-MiniLM-L6-v2 loaded in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
 
         vector_store = chroma_store(persist_dir)
         pipeline = IngestionPipeline(
@@ -78,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         t_ingest = time.perf_counter() - t0
         llm.wait_for_warmup()
         t_warm = time.perf_counter() - t0
-        print(f"indexed {len(nodes)} nodes from {len(docs)} passages into Chroma at "
-              f"{persist_dir} in {t_ingest:.1f} s; KV warmup done after {t_warm:.1f} s "
-              f"({llm.warmup_queue.stored} chunks precomputed)")
+        print(
+            f"indexed {len(nodes)} nodes from {len(docs)} passages into Chroma at "
+            f"{persist_dir} in {t_ingest:.1f} s; KV warmup done after {t_warm:.1f} s "
+            f"({llm.warmup_queue.stored} chunks precomputed)"
+        )
 
         index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed)
         modes = {  # full prefill first, then blend, per question
@@ -99,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "blend":
                     hits = f"{stats.chunk_hits}/{stats.chunk_hits + stats.chunk_misses}"
                     extra = f", chunk hits {hits}, recomputed {stats.recomputed_fraction:.0%}"
-                print(f"  {name:5s} TTFT {stats.ttft_ms:7.0f} ms ({stats.prompt_tokens} prompt "
-                      f"tokens{extra}): {str(response).strip()!r}")
+                print(
+                    f"  {name:5s} TTFT {stats.ttft_ms:7.0f} ms ({stats.prompt_tokens} prompt "
+                    f"tokens{extra}): {str(response).strip()!r}"
+                )
             print("  sources:")
             for rank, node in enumerate(response.source_nodes, 1):
                 text = node.node.get_content().replace("\n", " ")
@@ -110,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             med = {k: statistics.median(v) for k, v in ttft.items()}
             pairs = zip(ttft["full"], ttft["blend"], strict=True)
             speedup = statistics.median(f / b for f, b in pairs if b > 0)
-            print(f"\nmedian TTFT over {len(ttft['full'])} questions: full {med['full']:.0f} ms, "
-                  f"blend {med['blend']:.0f} ms (median speedup {speedup:.2f}x)")
+            print(
+                f"\nmedian TTFT over {len(ttft['full'])} questions: full {med['full']:.0f} ms, "
+                f"blend {med['blend']:.0f} ms (median speedup {speedup:.2f}x)"
+            )
         llm.close()
         full_llm.close()
     return 0

@@ -77,10 +77,17 @@ def _cuda_forward(model, ids):
 
 def _assert_matches_full(engine, out, ref, dtype):
     logits_atol, kv_atol, kv_rtol = TOLERANCES[dtype]
-    assert all(layer_kv(out.cache, i)[0].device.type == "cuda"
-               for i in range(engine.layers.num_layers))
-    assert_matches_hf(out, ref, range(engine.layers.num_layers), atol=kv_atol, rtol=kv_rtol,
-                      logits_atol=logits_atol)
+    assert all(
+        layer_kv(out.cache, i)[0].device.type == "cuda" for i in range(engine.layers.num_layers)
+    )
+    assert_matches_hf(
+        out,
+        ref,
+        range(engine.layers.num_layers),
+        atol=kv_atol,
+        rtol=kv_rtol,
+        logits_atol=logits_atol,
+    )
 
 
 @needs_cuda
@@ -123,8 +130,9 @@ def test_cuda_ratio_one_and_reuse_from_host_tiers(tier, tokenizer, tmp_path, str
     out = view.prefill(prompt, "blend")
     assert out.stats.chunk_hits == len(CHUNKS)
     _assert_matches_full(view, out, _cuda_forward(model, prompt.ids), torch.float32)
-    torch.testing.assert_close(view.prefill(prompt, "reuse").logits, reuse_device,
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        view.prefill(prompt, "reuse").logits, reuse_device, atol=1e-6, rtol=0
+    )
 
 
 @needs_cuda
@@ -133,9 +141,9 @@ def test_cuda_embedded_model_blend_at_ratio_one_matches_full_prefill(strict_fp32
     from ragblend.errors import RagblendError
 
     try:
-        engine = BlendEngine.from_pretrained("embedded", config=BlendConfig(ratio=1.0,
-                                                                            device="cuda",
-                                                                            dtype="float32"))
+        engine = BlendEngine.from_pretrained(
+            "embedded", config=BlendConfig(ratio=1.0, device="cuda", dtype="float32")
+        )
     except RagblendError as exc:
         pytest.skip(f"embedded model unavailable: {exc}")
     engine.precompute(CHUNKS)
@@ -143,9 +151,10 @@ def test_cuda_embedded_model_blend_at_ratio_one_matches_full_prefill(strict_fp32
     ref = _cuda_forward(engine.model, prompt.ids)
     out = engine.prefill(prompt, "blend")
     assert_matches_hf(out, ref, (0, 14, engine.layers.num_layers - 1), atol=2e-4)
-    assert engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text == engine.generate(
-        QUESTION, CHUNKS, mode="full", max_new_tokens=8
-    ).text
+    assert (
+        engine.generate(QUESTION, CHUNKS, max_new_tokens=8).text
+        == engine.generate(QUESTION, CHUNKS, mode="full", max_new_tokens=8).text
+    )
 
 
 def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
@@ -159,12 +168,34 @@ def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match="CUDA is not available"):
             bench.main(["--device", "cuda", "--out", str(tmp_path / "never")])
     out = tmp_path / "out"
-    bench.main([
-        "--device", "cpu", "--shape", "tiny", "--layouts", "2x32", "--ratios", "0.15",
-        "--repeats", "1", "--warmup", "0", "--rate-requests", "2", "--num-rates", "2",
-        "--attn-keys", "128", "--attn-iters", "2", "--store-path", str(tmp_path),
-        "--out", str(out),
-    ])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--layouts",
+            "2x32",
+            "--ratios",
+            "0.15",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--rate-requests",
+            "2",
+            "--num-rates",
+            "2",
+            "--attn-keys",
+            "128",
+            "--attn-iters",
+            "2",
+            "--store-path",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ]
+    )
     results = json.loads((out / "results.json").read_text())
     assert {"environment", "settings", "models", "attention"} <= set(results)
     env = results["environment"]
@@ -174,8 +205,11 @@ def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
     assert set(tiny["controller"]) == {"ram", "disk"}
     assert tiny["controller"]["disk"]["2x32"]["tier"] == "disk"
     variants = tiny["layouts"]["2x32"]["variants"]
-    expected = {"full"} | {f"{m} [{t}]" for m in ("prefix", "reuse", "blend r=0.15",
-                                                  "blend auto") for t in ("ram", "disk")}
+    expected = {"full"} | {
+        f"{m} [{t}]"
+        for m in ("prefix", "reuse", "blend r=0.15", "blend auto")
+        for t in ("ram", "disk")
+    }
     assert set(variants) == expected
     for name, v in variants.items():
         assert v["ttft_ms_median"] > 0 and v["logits_finite"], name

@@ -22,8 +22,10 @@ from ragblend.store import DiskStore, MemoryStore
 from ragblend.warmup import WarmupQueue
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("river mountain castle author poem novel city king battle college painter music "
-         "ocean island treaty engine science winter garden empire").split()
+WORDS = (
+    "river mountain castle author poem novel city king battle college painter music "
+    "ocean island treaty engine science winter garden empire"
+).split()
 
 
 def passage(i: int) -> str:
@@ -46,17 +48,34 @@ def dataset(tmp_path_factory) -> tuple[Path, int]:
     for q in range(12):
         ids = [q * 3, q * 3 + 1, (q - 1) * 3 if q % 3 == 2 else q * 3 + 2]
         used.update(ids)
-        cases.append({"question": f"Question {q}?", "answers": ["x"],
-                      "ctxs": [{"title": "", "text": passage(i)} for i in ids]})
+        cases.append(
+            {
+                "question": f"Question {q}?",
+                "answers": ["x"],
+                "ctxs": [{"title": "", "text": passage(i)} for i in ids],
+            }
+        )
     path = tmp_path_factory.mktemp("data") / "musique.json"
     path.write_text(json.dumps(cases))
     return path, len(used)
 
 
 def warmup_args(dataset: Path, model_dir: Path, store: Path, *extra: str) -> list[str]:
-    return ["warmup", "--dataset", str(dataset), "--model", str(model_dir),
-            "--store-path", str(store), "--top-k", "3", "--chunk-tokens", "48", "--no-progress",
-            *extra]
+    return [
+        "warmup",
+        "--dataset",
+        str(dataset),
+        "--model",
+        str(model_dir),
+        "--store-path",
+        str(store),
+        "--top-k",
+        "3",
+        "--chunk-tokens",
+        "48",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def check_store(path: Path) -> DiskStore:
@@ -102,10 +121,23 @@ def test_warmup_reads_documents_from_a_chroma_collection(model_dir, tmp_path, ca
     client = chromadb.PersistentClient(path=str(tmp_path / "chroma"))
     col = client.create_collection("docs", embedding_function=None)
     docs = [passage(i) for i in range(5)]
-    col.add(ids=[f"d{i}" for i in range(5)], documents=docs,
-            embeddings=[[float(i), 1.0, 0.5] for i in range(5)])
-    args = ["warmup", "--chroma-path", str(tmp_path / "chroma"), "--collection", "docs",
-            "--model", str(model_dir), "--store-path", str(tmp_path / "kv"), "--no-progress"]
+    col.add(
+        ids=[f"d{i}" for i in range(5)],
+        documents=docs,
+        embeddings=[[float(i), 1.0, 0.5] for i in range(5)],
+    )
+    args = [
+        "warmup",
+        "--chroma-path",
+        str(tmp_path / "chroma"),
+        "--collection",
+        "docs",
+        "--model",
+        str(model_dir),
+        "--store-path",
+        str(tmp_path / "kv"),
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert "5 chunks stored" in capsys.readouterr().out
     engine = BlendEngine.from_pretrained(str(model_dir), store=DiskStore(tmp_path / "kv"))
@@ -210,7 +242,10 @@ def spawn(point: str, nth: int, args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, point, str(nth), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -290,6 +325,7 @@ def test_two_processes_warming_the_same_chunks_store_each_once(dataset, model_di
     for chunk in (passage(0), passage(1)):
         key = engine.chunk_key(
             context_ids=engine._context_ids(engine.tokenize("q", [chunk]).head),
-            chunk_ids=engine.tokenizer(chunk, add_special_tokens=False)["input_ids"])
+            chunk_ids=engine.tokenizer(chunk, add_special_tokens=False)["input_ids"],
+        )
         got, want = store.get(key), ref.store.get(key)
         assert all(torch.equal(got.layer(i)[0], want.layer(i)[0]) for i in range(3))

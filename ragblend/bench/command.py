@@ -18,20 +18,35 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=6, help="chunks per question (first k ctxs)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="cut each chunk to N tokens")
     p.add_argument("--modes", default="full,prefix,reuse,blend", help="comma-separated modes")
-    p.add_argument("--ratio", type=float, default=None,
-                   help=f"blend recompute ratio (default: engine default {defaults.ratio})")
-    p.add_argument("--selector", default=None,
-                   help=f"token selector (default: engine default {defaults.selector})")
-    p.add_argument("--tier", choices=("ram", "disk", "redis"), default="ram",
-                   help="where chunk KV lives")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                   help="--tier redis: redis:// rediss:// or unix:// URL")
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help=f"blend recompute ratio (default: engine default {defaults.ratio})",
+    )
+    p.add_argument(
+        "--selector",
+        default=None,
+        help=f"token selector (default: engine default {defaults.selector})",
+    )
+    p.add_argument(
+        "--tier", choices=("ram", "disk", "redis"), default="ram", help="where chunk KV lives"
+    )
+    p.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="--tier redis: redis:// rediss:// or unix:// URL",
+    )
     p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})")
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=None,
+        help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})",
+    )
     p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
     p.add_argument("--repeats", type=int, default=3, help="TTFT repetitions per question")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -116,8 +131,12 @@ def run(args: argparse.Namespace) -> int:
         "tier": args.tier,
         "kv_dtype": engine.kv_dtype,
         "kv_bytes_per_token": kv_bytes_per_token(
-            engine.kv_dtype, engine.layers.num_layers, engine.layers.num_kv_heads,
-            engine.layers.head_dim, args.chunk_tokens),
+            engine.kv_dtype,
+            engine.layers.num_layers,
+            engine.layers.num_kv_heads,
+            engine.layers.head_dim,
+            args.chunk_tokens,
+        ),
         "namespace": args.namespace,
         "n": len(cases),
         "repeats": args.repeats,

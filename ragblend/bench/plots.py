@@ -17,13 +17,17 @@ def plot_ttft_vs_quality(results: dict, path: str | Path) -> None:
     for name, m in modes.items():
         for ax, key in zip(axes, ("f1", "answer_kl_mean")):
             ax.scatter(m["ttft_ms_median"], m[key], s=60)
-            ax.annotate(name, (m["ttft_ms_median"], m[key]), textcoords="offset points",
-                        xytext=(5, 5))
+            ax.annotate(
+                name, (m["ttft_ms_median"], m[key]), textcoords="offset points", xytext=(5, 5)
+            )
     s = results.get("settings", {})
     title = f"{s.get('model', '')} · top-{s.get('top_k', '?')} × {s.get('chunk_tokens', '?')} tok"
     axes[0].set(xlabel="TTFT median (ms)", ylabel="F1", title=f"F1 vs TTFT — {title}")
-    axes[1].set(xlabel="TTFT median (ms)", ylabel="answer KL to full (nats)",
-                title="fidelity to full prefill (lower is better)")
+    axes[1].set(
+        xlabel="TTFT median (ms)",
+        ylabel="answer KL to full (nats)",
+        title="fidelity to full prefill (lower is better)",
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -22,8 +22,11 @@ def add_parser(sub) -> None:
             "--store-path", default=None, help="disk store (default: ragblend_home()/kv)"
         )
         c.add_argument("--json", action="store_true", help="print the report as JSON")
-        c.add_argument("--redis-url", default=None,
-                       help="the shared Redis/Valkey tier instead of the disk store")
+        c.add_argument(
+            "--redis-url",
+            default=None,
+            help="the shared Redis/Valkey tier instead of the disk store",
+        )
         c.add_argument("--namespace", default=None, help="with --redis-url: one tenant's keys")
         if name == "verify":
             c.add_argument("--drop", action="store_true", help="drop the entries that fail")
