@@ -131,7 +131,7 @@ class WarmupPool:
             if not self._room.acquire(blocking=block):
                 with self._lock:
                     self._pending.discard(key)
-                self.dropped += 1
+                    self.dropped += 1
                 continue
             self._queue.put((priority, next(self._seq), key))
             added += 1
@@ -217,13 +217,15 @@ class WarmupPool:
                 head, item = key
                 ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
                 stored = self.engine.precompute_ids(ids, self._heads[head])
-                if stored:
-                    self.stored += 1
-                else:
-                    self.skipped += 1
+                with self._lock:  # several workers update the counters
+                    if stored:
+                        self.stored += 1
+                    else:
+                        self.skipped += 1
             except Exception as exc:  # keep the worker alive; report, never crash the caller
                 log.warning("warmup of a chunk failed: %s", exc)
-                self.errors.append(str(exc))
+                with self._lock:
+                    self.errors.append(str(exc))
             finally:
                 with self._lock:
                     self._pending.discard(key)
@@ -305,7 +307,7 @@ class WarmupQueue:
             except queue.Full:
                 with self._lock:
                     self._pending.discard(item)
-                self.dropped += 1
+                    self.dropped += 1
         return added
 
     def pending(self) -> int:
@@ -348,13 +350,15 @@ class WarmupQueue:
                     return
                 ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
                 stored = self.engine.precompute_ids(ids, self._head)
-                if stored:
-                    self.stored += 1
-                else:
-                    self.skipped += 1
+                with self._lock:  # several workers update the counters
+                    if stored:
+                        self.stored += 1
+                    else:
+                        self.skipped += 1
             except Exception as exc:  # keep the worker alive; report, never crash the caller
                 log.warning("warmup of a chunk failed: %s", exc)
-                self.errors.append(str(exc))
+                with self._lock:
+                    self.errors.append(str(exc))
             finally:
                 if item is not _STOP:
                     with self._lock:
