@@ -10,6 +10,8 @@ from ragblend.warmup import RETRIEVAL, WarmupPool
 
 
 class RecordingEngine:
+    prompt_format = None
+
     def __init__(self) -> None:
         self.order: list[list[int]] = []
         self.gate = threading.Event()
@@ -60,3 +62,32 @@ def test_duplicates_under_one_layout_are_queued_once():
             assert pool.warm_ids([[5], [5]]) == 1
         assert pool.wait(5)
     assert engine.order == [[5]]
+
+
+def _counters_checked_under_lock(cls):
+    """A subclass whose counters fail (in the worker, so as an error) when set without the lock."""
+
+    class Checked(cls):
+        def __setattr__(self, name, value):
+            if name in ("stored", "skipped", "dropped") and name in self.__dict__:  # not __init__
+                assert self._lock.locked(), f"{name} updated outside the lock"
+            super().__setattr__(name, value)
+
+    return Checked
+
+
+def test_warmup_counters_are_updated_under_the_lock():
+    from ragblend.warmup import WarmupQueue
+
+    for cls in (WarmupPool, WarmupQueue):
+        engine = RecordingEngine()
+        engine.gate.set()
+        queue = _counters_checked_under_lock(cls)(engine, workers=2)
+        if cls is WarmupQueue:
+            queue.submit_ids([[i] for i in range(8)])
+            queue.join()
+        else:
+            queue.warm_ids([[i] for i in range(8)])
+            assert queue.wait(5)
+        queue.close()
+        assert queue.errors == [] and queue.stored == 8, cls.__name__
