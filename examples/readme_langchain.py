@@ -7,14 +7,12 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_ragblend import ChatRagBlend, MiniLMEmbeddings
 
-from ragblend import BlendConfig
-
 docs = [
     Document(page_content="Hannibal and Scipio is a stage play written by Thomas Nabbes in 1635."),
     Document(page_content="Thomas Nabbes was an English dramatist educated at Exeter College."),
     Document(page_content="Exeter College is a college of the University of Oxford, founded 1314."),
 ]
-llm = ChatRagBlend(model="embedded", blend_config=BlendConfig(precompute_context="canonical"))
+llm = ChatRagBlend(model="embedded")
 vectorstore = Chroma.from_documents(docs, MiniLMEmbeddings(), persist_directory=tempfile.mkdtemp())
 retriever = vectorstore.as_retriever(search_kwargs={"k": 3})
 llm.warm(docs)  # background KV precompute of every chunk (at ingestion)

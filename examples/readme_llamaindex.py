@@ -6,14 +6,12 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
-from ragblend import BlendConfig
-
 documents = [
     Document(text="Hannibal and Scipio is a stage play written by Thomas Nabbes in 1635."),
     Document(text="Thomas Nabbes was an English dramatist educated at Exeter College, Oxford."),
     Document(text="Exeter College is a college of the University of Oxford, founded in 1314."),
 ]
-Settings.llm = llm = BlendLLM("embedded", config=BlendConfig(precompute_context="canonical"))
+Settings.llm = llm = BlendLLM("embedded")
 Settings.embed_model = embed = MiniLMEmbedding()  # all-MiniLM-L6-v2 from the local wheel
 
 collection = chromadb.PersistentClient(path=tempfile.mkdtemp()).get_or_create_collection("docs")
