@@ -30,7 +30,49 @@ _STOP = object()
 Item = str | tuple[int, ...]
 
 
-class WarmupPool:
+class _Precomputing:
+    """What both warmup workers share: precompute one item, count it, report the outcome.
+
+    Subclasses set ``engine``, ``on_done``, ``_lock`` and the counters ``stored``,
+    ``skipped``, ``errors`` before their workers start.
+    """
+
+    engine: BlendEngine
+    on_done: Callable[[bool], None] | None
+    _lock: threading.Lock
+    stored: int
+    skipped: int
+    errors: list[str]
+
+    def _precompute_one(self, item: Item, head: list[int]) -> bool:
+        """Precompute ``item`` (text or token ids) after ``head``; True if newly stored.
+
+        Failures are logged and kept in ``errors``, never raised: the worker must live on.
+        """
+        try:
+            ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
+            stored = self.engine.precompute_ids(ids, head)
+        except Exception as exc:
+            log.warning("warmup of a chunk failed: %s", exc)
+            with self._lock:
+                self.errors.append(str(exc))
+            return False
+        with self._lock:  # several workers update the counters
+            if stored:
+                self.stored += 1
+            else:
+                self.skipped += 1
+        return stored
+
+    def _notify_done(self, stored: bool) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done(stored)
+            except Exception as exc:  # a progress callback must not kill the worker
+                log.debug("warmup on_done callback failed: %s", exc)
+
+
+class WarmupPool(_Precomputing):
     """Precomputes chunks in the background so later queries hit the KV store.
 
     ``warm`` never blocks the caller for long: duplicates (queued under the same layout) are
@@ -212,33 +254,16 @@ class WarmupPool:
                 self._queue.task_done()
                 return
             self._wait_for_idle()
-            stored = False
-            try:
-                head, item = key
-                ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
-                stored = self.engine.precompute_ids(ids, self._heads[head])
-                with self._lock:  # several workers update the counters
-                    if stored:
-                        self.stored += 1
-                    else:
-                        self.skipped += 1
-            except Exception as exc:  # keep the worker alive; report, never crash the caller
-                log.warning("warmup of a chunk failed: %s", exc)
-                with self._lock:
-                    self.errors.append(str(exc))
-            finally:
-                with self._lock:
-                    self._pending.discard(key)
-                self._room.release()
-                if self.on_done is not None:
-                    try:
-                        self.on_done(stored)
-                    except Exception as exc:  # a progress callback must not kill the worker
-                        log.debug("warmup on_done callback failed: %s", exc)
-                self._queue.task_done()
+            head, item = key
+            stored = self._precompute_one(item, self._heads[head])
+            with self._lock:
+                self._pending.discard(key)
+            self._room.release()
+            self._notify_done(stored)
+            self._queue.task_done()
 
 
-class WarmupQueue:
+class WarmupQueue(_Precomputing):
     """Precomputes chunks in the background so later queries hit the KV store.
 
     ``submit`` never blocks the caller for long: duplicates (queued or stored) are dropped and,
@@ -344,28 +369,11 @@ class WarmupQueue:
     def _work(self) -> None:
         while True:
             item = self._queue.get()
-            stored = False
-            try:
-                if item is _STOP:
-                    return
-                ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
-                stored = self.engine.precompute_ids(ids, self._head)
-                with self._lock:  # several workers update the counters
-                    if stored:
-                        self.stored += 1
-                    else:
-                        self.skipped += 1
-            except Exception as exc:  # keep the worker alive; report, never crash the caller
-                log.warning("warmup of a chunk failed: %s", exc)
-                with self._lock:
-                    self.errors.append(str(exc))
-            finally:
-                if item is not _STOP:
-                    with self._lock:
-                        self._pending.discard(item)
-                    if self.on_done is not None:
-                        try:
-                            self.on_done(stored)
-                        except Exception as exc:  # a progress callback must not kill the worker
-                            log.debug("warmup on_done callback failed: %s", exc)
+            if item is _STOP:
                 self._queue.task_done()
+                return
+            stored = self._precompute_one(item, self._head)
+            with self._lock:
+                self._pending.discard(item)
+            self._notify_done(stored)
+            self._queue.task_done()
