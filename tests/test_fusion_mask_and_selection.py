@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CHUNKS, QUESTION, tiny_model
 from helpers import engine_for
 
+from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import Segment, fuse
 from ragblend.fusion.trace import SelectionTrace
@@ -171,11 +173,22 @@ def test_contiguous_tail_rows_take_the_causal_kernel_and_match_the_reference():
     positions = torch.arange(40, n)
     q = torch.randn(1, heads, positions.numel(), dim)
     k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
-    plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, None)
-    assert plan.causal_start == 40
-    torch.testing.assert_close(
-        attend_rows(q, k, v, plan, 0.3),
-        _reference_rows(q, k, v, positions, 0.3),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+    for num_keys in (None, n):  # given the prompt length, the plan builds no masks at all
+        plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, None, num_keys)
+        assert plan.causal_start == 40
+        assert (len(plan.blocks) == 0) == (num_keys == n)
+        torch.testing.assert_close(
+            attend_rows(q, k, v, plan, 0.3),
+            _reference_rows(q, k, v, positions, 0.3),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+def test_a_maskless_causal_plan_refuses_keys_of_another_length():
+    positions = torch.arange(40, 300)
+    plan = RowAttentionPlan(positions, 2, torch.float32, None, num_keys=300)
+    q = torch.randn(1, 4, positions.numel(), 8)
+    k = v = torch.randn(1, 2, 320, 8)
+    with pytest.raises(RagblendError, match="300 keys, got 320"):
+        attend_rows(q, k, v, plan, 0.3)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ragblend.errors import RagblendError
+
 # Selected rows are split into this many position-ordered blocks at most; each block only
 # reads keys up to its last row's position, which recovers most of causal attention's saving.
 MAX_BLOCKS = 16
@@ -43,11 +45,17 @@ class RowAttentionPlan:
     """Blocks and additive masks for one set of query positions, reused across layers.
 
     The selected rows only change at check layers, so masks are built once per selection
-    (and sliding window) instead of once per layer.
+    (and sliding window) instead of once per layer. Given ``num_keys`` (the prompt length),
+    rows that end the prompt contiguously get no masks: they take the causal path.
     """
 
     def __init__(
-        self, positions: torch.Tensor, groups: int, dtype: torch.dtype, sliding_window: int | None
+        self,
+        positions: torch.Tensor,
+        groups: int,
+        dtype: torch.dtype,
+        sliding_window: int | None,
+        num_keys: int | None = None,
     ) -> None:
         pos = positions.tolist()
         self.num_rows = len(pos)
@@ -56,6 +64,9 @@ class RowAttentionPlan:
         contiguous = bool(pos) and pos[-1] - pos[0] + 1 == len(pos)
         self.causal_start = pos[0] if contiguous and sliding_window is None else None
         self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
+        self.causal_only = self.causal_start is not None and num_keys == pos[-1] + 1
+        if self.causal_only:
+            return  # attend_rows takes the causal path for these keys: no masks needed
         for a, b in row_blocks(pos):
             end = pos[b - 1] + 1
             start = 0 if sliding_window is None else max(0, pos[a] - int(sliding_window) + 1)
@@ -88,6 +99,8 @@ def attend_rows(
             q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
         )[:, :, start:]
         return out.transpose(1, 2).reshape(1, m, heads * dim)
+    if plan.causal_only:
+        raise RagblendError(f"attention plan built for {start + m} keys, got {k.shape[2]}")
     q = q.reshape(1, kv_heads, groups, m, dim)
     outs = []
     for a, b, start, end, bias in plan.blocks:

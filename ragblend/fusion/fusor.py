@@ -75,6 +75,7 @@ def fuse(
     positions = torch.arange(rows.n, device=device)
     hidden = model.embed(rows.ids[active])
     cos_all, sin_all = model.rope(positions, hidden)
+    cos, sin = cos_all[:, active], sin_all[:, active]  # gathered again only when rows drop
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     rows_per_layer: list[int] = []
@@ -82,34 +83,38 @@ def fuse(
     plans: dict[int | None, RowAttentionPlan] = {}
     for layer, k_cached, v_cached in layers:
         # project
-        proj = model.project(layer, hidden, cos_all[:, active], sin_all[:, active])
+        proj = model.project(layer, hidden, cos, sin)
         if trace is not None:
             trace.projected(layer, proj, active)
-        k_full = model.rotate(k_cached, cos_all, sin_all)
-        # select (scores compare fresh rows with the still-unmodified cache)
+        # select (scores compare fresh rows with the still-unmodified pre-RoPE cache)
         keep = None
         if layer in checks:
+            k_full = model.rotate(k_cached, cos_all, sin_all)
             check = CheckLayer.build(
                 layer, proj, k_cached, v_cached, k_full, active, rows, model.scaling(layer)
             )
             keep, scores = select_rows(
                 selector, check, rows.forced[active], checks[layer], rows.num_approx
             )
+        else:  # the loader's tensors are this request's own: rotate them in place
+            k_full = model.rotate_(k_cached, cos_all, sin_all)
         # write fresh K/V: every active row gets them on this layer
-        k_full[:, :, active] = proj.k
-        v_cached[:, :, active] = proj.v
+        k_full.index_copy_(2, active, proj.k)
+        v_cached.index_copy_(2, active, proj.v)
         rows_per_layer.append(int(active.numel()))
         q = proj.q
-        if keep is not None:  # only the kept rows go on through attention, o_proj and MLP
+        if keep is not None and keep.numel() < active.numel():
+            # only the kept rows go on through attention, o_proj and MLP
             q, hidden, active = q[:, :, keep], hidden[:, keep], active[keep]
+            cos, sin = cos_all[:, active], sin_all[:, active]
             plans.clear()
-            if trace is not None:
-                trace.selected(layer, scores, active)
+        if keep is not None and trace is not None:
+            trace.selected(layer, scores, active)
         # attend
         window = model.sliding_window(layer)
         plan = plans.get(window)
         if plan is None:
-            plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window)
+            plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window, rows.n)
         attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
         # finish
         hidden = model.finish(layer, hidden, attn)

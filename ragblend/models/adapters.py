@@ -87,6 +87,8 @@ class LayerwiseModel:
         Saves the two T-row temporaries of ``rotate`` (``k * cos`` and ``rotate_half(k)``) for
         callers that own ``k_pre`` (the fusor's per-request layer tensors); returns ``k_pre``.
         """
+        if self._rotate_half is None:  # a family with its own RoPE layout: HF's function
+            return k_pre.copy_(self.rotate(k_pre, cos, sin))
         half = k_pre.shape[-1] // 2
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         first = k_pre[..., :half].clone()
