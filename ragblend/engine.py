@@ -358,7 +358,7 @@ class BlendEngine:
                 return self.full_prefill(prompt)
             return self._prefill(prompt, mode, ratio)
 
-        decode = Decoder(self.model, self.tokenizer, self.eos_ids, params, max_new)
+        decode = Decoder(self.model, self.tokenizer, self.eos_ids, params, max_new, self.layers)
         return decode.stream(prefill, self._lock, started)
 
     def generate(
@@ -391,11 +391,16 @@ class BlendEngine:
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy answer ids after ``prefill`` (EOS excluded; ``prefill`` is left as it was)."""
         pre = dataclasses.replace(prefill, stats=copy.copy(prefill.stats))
-        return list(decode_tokens(self.model, pre, SamplingParams(), max_new_tokens, self.eos_ids))
+        ids = decode_tokens(
+            self.model, pre, SamplingParams(), max_new_tokens, self.eos_ids, self.layers
+        )
+        return list(ids)
 
     def _decode(self, prefill: Prefill, max_new_tokens: int, *_ignored) -> Iterator[int]:
         # Kept for callers outside the engine's modules (greedy only).
-        return decode_tokens(self.model, prefill, SamplingParams(), max_new_tokens, self.eos_ids)
+        return decode_tokens(
+            self.model, prefill, SamplingParams(), max_new_tokens, self.eos_ids, self.layers
+        )
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""

@@ -1,9 +1,10 @@
 """Generation after a prefill: sampling parameters, next-token choice, the decode loop, streams.
 
-In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams`, a pure
-:func:`next_token`, and :func:`decode_tokens`, which decodes into a preallocated cache (HF's
-``StaticCache``) so each new token is written in place instead of concatenated onto every
-layer's K/V (``DynamicCache`` copies the whole context per token).
+In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams`, one next-token
+choice (``_Sampler``), and :func:`decode_tokens`, which decodes into preallocated K/V (a
+:class:`~ragblend.layer_decode.LayerDecoder`, or HF's ``StaticCache`` where that does not
+apply) so each new token is written in place instead of concatenated onto every layer's K/V
+(``DynamicCache`` copies the whole context per token).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ragblend.errors import RagblendError
+from ragblend.layer_decode import LayerDecoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from ragblend.models.adapters import LayerwiseModel
 
 
 @dataclass
@@ -165,10 +169,13 @@ def decode_tokens(
     params: SamplingParams,
     max_new_tokens: int,
     eos_ids: set[int],
+    layers: LayerwiseModel | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids after ``prefill`` (EOS excluded); updates ``prefill.stats``.
 
-    ``prefill.cache`` is not modified: decoding runs in its own preallocated cache.
+    ``prefill.cache`` is not modified: decoding runs in its own preallocated cache — given the
+    model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token); otherwise,
+    or where that does not apply, HF's forward over :func:`decode_cache`.
     """
     stats = prefill.stats
     stats.finish_reason = "length"
@@ -176,8 +183,7 @@ def decode_tokens(
         return
     sample = _Sampler(params)
     history = list(prefill.prompt_ids) if not params.greedy else []
-    device = prefill.logits.device if prefill.logits.is_cuda else model.device
-    cache = decode_cache(model, prefill.cache, len(prefill.prompt_ids) + max_new_tokens)
+    advance = _decode_step(model, layers, prefill, len(prefill.prompt_ids) + max_new_tokens)
     logits = prefill.logits
     for step in range(max_new_tokens):
         token = sample(logits, history)
@@ -190,13 +196,30 @@ def decode_tokens(
             return
         if not params.greedy:  # only the logits warpers read the history
             history.append(token)
+        logits = advance(token)
+
+
+def _decode_step(
+    model: PreTrainedModel, layers: LayerwiseModel | None, prefill: Prefill, total_len: int
+) -> Callable[[int], torch.Tensor]:
+    """token → fp32 logits [vocab] of the next one, in a cache of its own for ``total_len``."""
+    if layers is not None:
+        lean = LayerDecoder.for_cache(layers, prefill.cache, len(prefill.prompt_ids), total_len)
+        if lean is not None:
+            return lean.step
+    device = prefill.logits.device if prefill.logits.is_cuda else model.device
+    cache = decode_cache(model, prefill.cache, total_len)
+
+    def hf_step(token: int) -> torch.Tensor:
         with torch.inference_mode():
             out = model(
                 input_ids=torch.tensor([[token]], device=device),
                 past_key_values=cache,
                 use_cache=True,
             )
-        logits = out.logits[0, -1].float()
+        return out.logits[0, -1].float()
+
+    return hf_step
 
 
 class BlendStream:
@@ -260,9 +283,16 @@ class Decoder:
     """Turns a prefill into a :class:`BlendStream` of text (one request's decoding setup)."""
 
     def __init__(
-        self, model, tokenizer, eos_ids: set[int], params: SamplingParams, max_new_tokens: int
+        self,
+        model,
+        tokenizer,
+        eos_ids: set[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        layers: LayerwiseModel | None = None,
     ) -> None:
         self.model = model
+        self.layers = layers
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.params = params
@@ -284,7 +314,7 @@ class Decoder:
                 tokens: list[int] = []
                 try:
                     ids = decode_tokens(
-                        self.model, pre, self.params, self.max_new_tokens, self.eos_ids
+                        self.model, pre, self.params, self.max_new_tokens, self.eos_ids, self.layers
                     )
                     yield from text_deltas(self.tokenizer, ids, tokens)
                 except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
@@ -138,3 +140,68 @@ def test_decoding_into_the_static_cache_equals_hf_generate_and_leaves_the_prefil
     for i, k in enumerate(before):
         assert torch.equal(layer_kv(pre.cache, i)[0], k)
     assert engine.greedy_answer(pre, 24) == ids  # the prefill can be decoded again
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layerwise_decoding_equals_hf_forward_decoding_token_by_token(family, tokenizer):
+    from ragblend.generation import SamplingParams, decode_tokens
+    from ragblend.layer_decode import LayerDecoder
+
+    engine = engine_for(_model(family), tokenizer)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    for mode in ("full", "blend"):
+        engine.precompute(CHUNKS)
+        pre = engine.prefill(prompt, mode)
+        lean = LayerDecoder.for_cache(engine.layers, pre.cache, len(prompt), len(prompt) + 8)
+        assert lean is not None
+        hf = engine.model
+        greedy, eos = SamplingParams(), set()
+        ids = list(decode_tokens(hf, pre, greedy, 8, eos, engine.layers))
+        assert ids == list(decode_tokens(hf, pre, greedy, 8, eos, layers=None))
+        # the logits along the way match HF's forward over the same cache (fp32 tolerance)
+        with torch.inference_mode():
+            ref = (
+                hf(
+                    input_ids=torch.tensor([ids[:-1]]),
+                    past_key_values=copy.deepcopy(pre.cache),
+                    use_cache=True,
+                )
+                .logits[0]
+                .float()
+            )
+        got = torch.stack([lean.step(t) for t in ids[:-1]])
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_decoding_with_a_sliding_window_equals_hf_generate(family, tokenizer):
+    from ragblend.layer_decode import LayerDecoder
+
+    engine = engine_for(_model(family, windowed=True), tokenizer)
+    long_prompt = engine.tokenize(QUESTION, CHUNKS[:1]).ids  # longer than the window
+    for ids in (long_prompt, long_prompt[:16]):  # the short one decodes past the window
+        pre = engine.full_prefill(ids)
+        lean = LayerDecoder.for_cache(engine.layers, pre.cache, len(ids), len(ids) + 20)
+        assert (lean is not None) == (len(ids) < 24)
+        with torch.inference_mode():
+            ref = engine.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=list(engine.eos_ids),
+                pad_token_id=0,
+            )
+        expected = [t for t in ref[0, len(ids) :].tolist() if t not in engine.eos_ids]
+        assert engine.greedy_answer(pre, 20) == expected
+
+
+def test_layerwise_decoding_declines_a_cache_that_does_not_hold_the_whole_prompt(tokenizer):
+    from ragblend.layer_decode import LayerDecoder
+
+    engine = engine_for(_model(FAMILIES[0]), tokenizer)
+    pre = engine.prefill(engine.tokenize(QUESTION, CHUNKS), "full")
+    n = len(pre.prompt_ids)
+    assert LayerDecoder.for_cache(engine.layers, pre.cache, n - 1, n + 4) is None
+    assert LayerDecoder.for_cache(engine.layers, object(), n, n + 4) is None
+    too_long = engine.layers.context_window + 1
+    assert LayerDecoder.for_cache(engine.layers, pre.cache, n, too_long) is None

@@ -1,0 +1,90 @@
+"""Decoding one token at a time through the layer-wise adapter, into preallocated K/V.
+
+After the prefill, each new token is a single query row: per layer, the model's own norm and
+projections (``LayerwiseModel.project``), its K/V written in place at the token's position,
+attention of that one row over the keys before it (a slice of the preallocated buffer, so no
+mask and no padded keys), then o_proj and the MLP (``LayerwiseModel.finish``). The same HF
+modules as ``model(...)``, without the per-step work of HF's forward (mask construction, cache
+bookkeeping, output objects), which dominates decode time for small models on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ragblend.models.adapters import LayerwiseModel
+
+
+class LayerDecoder:
+    """Greedy-or-sampled decoding state of one request: K/V buffers and the next position.
+
+    ``keys[i]`` / ``values[i]``: [1, kv_heads, capacity, head_dim], post-RoPE keys, filled with
+    the prompt's cache up to ``position``. The prompt cache itself is never modified.
+    """
+
+    def __init__(
+        self, layers: LayerwiseModel, prompt_kv: list[tuple[torch.Tensor, ...]], capacity: int
+    ):
+        self.layers = layers
+        self.position = int(prompt_kv[0][0].shape[-2])
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for k, v in prompt_kv:
+            kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
+            vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
+            kb[..., : self.position, :].copy_(k)
+            vb[..., : self.position, :].copy_(v)
+            self.keys.append(kb)
+            self.values.append(vb)
+        self.capacity = capacity
+
+    @classmethod
+    def for_cache(
+        cls, layers: LayerwiseModel, prompt_cache: Any, prompt_len: int, total_len: int
+    ) -> LayerDecoder | None:
+        """A decoder over ``prompt_cache`` (an HF cache of ``prompt_len`` tokens) with room
+        for ``total_len`` tokens, or None where it does not apply: a layer whose cache holds
+        fewer than the whole prompt (a sliding-window cache), or more tokens than the model's
+        positions."""
+        cache_layers = getattr(prompt_cache, "layers", None)
+        window = layers.context_window or total_len
+        if not cache_layers or len(cache_layers) != layers.num_layers or total_len > window:
+            return None
+        kv = []
+        for layer in cache_layers:
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if k is None or v is None or k.shape[-2] != prompt_len or v.shape[-2] != prompt_len:
+                return None
+            kv.append((k, v))
+        return cls(layers, kv, total_len)
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        """Feed ``token`` at the next position; fp32 logits [vocab] for the one after it."""
+        m, p = self.layers, self.position
+        if p >= self.capacity:
+            raise IndexError(f"the decode buffer holds {self.capacity} tokens")
+        device = self.keys[0].device
+        hidden = m.embed(torch.tensor([token], device=device))
+        cos, sin = m.rope(torch.tensor([p], device=device), hidden)
+        groups = m.num_heads // m.num_kv_heads
+        for i in range(m.num_layers):
+            proj = m.project(i, hidden, cos, sin)
+            k, v = self.keys[i], self.values[i]
+            k[..., p : p + 1, :].copy_(proj.k)
+            v[..., p : p + 1, :].copy_(proj.v)
+            window = m.sliding_window(i)
+            lo = 0 if window is None else max(0, p - int(window) + 1)
+            out = F.scaled_dot_product_attention(
+                proj.q,
+                k[..., lo : p + 1, :],
+                v[..., lo : p + 1, :],
+                scale=m.scaling(i),
+                enable_gqa=groups > 1,
+            )
+            hidden = m.finish(i, hidden, out.transpose(1, 2).reshape(1, 1, -1))
+        self.position = p + 1
+        return m.logits(hidden)[-1]
