@@ -88,6 +88,17 @@ def test_refine_mode_hits_the_chunk_of_each_llm_call(index, llm):
     _assert_all_hit(llm, chunks=1)
 
 
+def test_simple_summarize_finds_chunks_in_its_list_repr_and_hits_once_they_are_warmed(index, llm):
+    # simple_summarize formats its context as a Python list: every chunk's newlines escaped
+    engine = index.as_query_engine(similarity_top_k=TOP_K, response_mode="simple_summarize")
+    engine.query(QUESTION)
+    stats = llm.last_stats
+    assert stats.chunk_hits + stats.chunk_misses == TOP_K  # each chunk found in its escaped form
+    assert llm.wait_for_warmup(timeout=300)  # the missed forms were queued at retrieval priority
+    engine.query(QUESTION)
+    _assert_all_hit(llm)
+
+
 def test_blend_at_ratio_one_answers_as_full_prefill_through_plain_query_engine(
     index, canonical_engine
 ):

@@ -207,6 +207,7 @@ class BlendLLM(CustomLLM):
             tokenizer = self._engine.tokenizer
             prompt = chunked_prompt(tokenizer, chat, text, index=known_chunks(self._engine))
             if prompt is not None:
+                self._warm_missing(prompt.chunk_texts)
                 ratio = kwargs.get("ratio", self.ratio)
                 return self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
         if chat is None:
@@ -214,6 +215,13 @@ class BlendLLM(CustomLLM):
         else:
             ids = self._engine.chat_ids(chat)
         return self._engine.stream_prompt(ids, **self._decoding(kwargs))
+
+    def _warm_missing(self, texts: Sequence[str]) -> None:
+        """Queue the matched chunks that are not stored (e.g. a chunk in a form never warmed,
+        such as ``simple_summarize``'s escaped list) before the backlog: the next query hits."""
+        missing = [t for t in texts if not self.is_cached(t)]
+        if missing:
+            self.warmup(missing, only_missing=True)
 
     def _chat_dicts(self, messages: Sequence[ChatMessage], add_system: bool = False) -> list:
         out = [{"role": _ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
