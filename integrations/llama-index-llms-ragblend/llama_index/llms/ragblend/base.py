@@ -32,20 +32,31 @@ from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStats, PromptFo
 from ragblend.bridge import aiter_in_thread
 from ragblend.config import MODES
 from ragblend.errors import RagblendError
-from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
+from ragblend.matching import (
+    chunked_prompt,
+    fallback_message,
+    known_chunks,
+    mark_fallback,
+    prompt_forms,
+)
 from ragblend.prompt import encode
 from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 log = logging.getLogger(__name__)
 
 
-def node_texts(nodes: Iterable[BaseNode | NodeWithScore]) -> list[str]:
+def node_texts(nodes: Iterable[BaseNode | NodeWithScore], escaped_forms: bool = False) -> list[str]:
     """The texts a node appears as in prompts: its LLM-mode content (what the synthesizer and
-    refine send) and that content stripped (what compact mode packs), without duplicates."""
+    refine send) and that content stripped (what compact mode packs), without duplicates.
+
+    ``escaped_forms`` adds the forms the content takes inside ``simple_summarize``'s prompt,
+    which formats the context as a Python list (newlines and quotes escaped).
+    """
     texts: list[str] = []
     for node in nodes:
         text = node.get_content(metadata_mode=MetadataMode.LLM)
-        for variant in (text, text.strip()):
+        forms = prompt_forms(text) if escaped_forms else [text]
+        for variant in (*forms, text.strip()):
             if variant and variant not in texts:
                 texts.append(variant)
     return texts
@@ -363,10 +374,15 @@ class BlendLLM(CustomLLM):
         )
 
     def warmup_nodes(
-        self, nodes: Iterable[BaseNode | NodeWithScore], only_missing: bool = False
+        self,
+        nodes: Iterable[BaseNode | NodeWithScore],
+        only_missing: bool = False,
+        escaped_forms: bool = False,
     ) -> int:
-        """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute."""
-        return self.warmup(node_texts(nodes), only_missing=only_missing)
+        """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute;
+        ``escaped_forms`` also the forms ``simple_summarize`` sends (see :func:`node_texts`)."""
+        texts = node_texts(nodes, escaped_forms=escaped_forms)
+        return self.warmup(texts, only_missing=only_missing)
 
     def is_cached(self, text: str) -> bool:
         """Whether ``text``'s chunk KV is in the store, in this LLM's prompt context."""
