@@ -264,7 +264,6 @@ class ChatRagBlend(BaseChatModel):
                 self.engine.tokenizer, chat, index=known_chunks(self.engine), retrieved=retrieved
             )
             if prompt is not None:
-                self._warm_missing(prompt.chunk_texts)
                 return _Request(options, chat=chat, tokenized=prompt)
         return _Request(options, chat=chat)
 
@@ -305,6 +304,8 @@ class ChatRagBlend(BaseChatModel):
         pool = self._pool  # background warmup (if any) starts no new chunk meanwhile
         with pool.query() if pool is not None else contextlib.nullcontext():
             yield from self._decode_chunks(req, stop, cancel)
+        if req.tokenized is not None:  # queued after the call, not while it runs
+            self._warm_missing(req.tokenized.chunk_texts)
 
     def _decode_chunks(
         self, req: _Request, stop: list[str] | None, cancel: threading.Event | None

@@ -218,21 +218,24 @@ class BlendLLM(CustomLLM):
             tokenizer = self._engine.tokenizer
             prompt = chunked_prompt(tokenizer, chat, text, index=known_chunks(self._engine))
             if prompt is not None:
-                self._warm_missing(prompt.chunk_texts)
                 ratio = kwargs.get("ratio", self.ratio)
-                return self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
+                stream = self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
+                stream.matched_chunks = prompt.chunk_texts  # warmed after the call if missing
+                return stream
         if chat is None:
             ids = list(self._engine.tokenizer(text)["input_ids"])
         else:
             ids = self._engine.chat_ids(chat)
         return self._engine.stream_prompt(ids, **self._decoding(kwargs))
 
-    def _warm_missing(self, texts: Sequence[str]) -> None:
-        """Queue the matched chunks that are not stored (e.g. a chunk in a form never warmed,
-        such as ``simple_summarize``'s escaped list) before the backlog: the next query hits."""
-        missing = [t for t in texts if not self.is_cached(t)]
+    def _result(self, stream: Any) -> BlendResult:
+        """The finished stream's result; then queue its matched chunks that are not stored
+        (e.g. a chunk in a form never warmed, such as ``simple_summarize``'s escaped list)
+        ahead of the backlog, so the next query hits. Queued after the call, not during it."""
+        missing = [t for t in getattr(stream, "matched_chunks", ()) if not self.is_cached(t)]
         if missing:
             self.warmup(missing, only_missing=True)
+        return _result_of(stream)
 
     def _chat_dicts(self, messages: Sequence[ChatMessage], add_system: bool = False) -> list:
         out = [{"role": _ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
@@ -249,7 +252,7 @@ class BlendLLM(CustomLLM):
         with self._querying():
             for _ in stream:
                 pass
-        return _result_of(stream)
+        return self._result(stream)
 
     def _finish(self, result: BlendResult) -> dict:
         """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``).
@@ -291,7 +294,7 @@ class BlendLLM(CustomLLM):
             for delta in stream:
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-        yield self._completion(_result_of(stream), delta="")
+        yield self._completion(self._result(stream), delta="")
 
     def _chat_gen(self, stream: Any) -> Iterator[ChatResponse]:
         text = ""
@@ -300,7 +303,7 @@ class BlendLLM(CustomLLM):
                 text += delta
                 message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
                 yield ChatResponse(message=message, delta=delta)
-        yield self._chat_response(_result_of(stream), delta="")
+        yield self._chat_response(self._result(stream), delta="")
 
     # ------------------------------------------------------------------ sync API
     @llm_completion_callback()
