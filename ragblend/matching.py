@@ -10,7 +10,7 @@ paths do. Separators are never parsed: only exact chunk texts split the prompt.
 A chunk is also found in the forms frameworks turn texts into (:func:`prompt_forms`): LlamaIndex's
 ``simple_summarize`` formats its context as a Python list, so each chunk appears with its
 newlines and quotes escaped. The matched chunk is always the text as it occurs in the prompt, so
-the fused prompt has exactly the tokens a full prefill would see.
+the fused prompt is the very text a full prefill would read.
 """
 
 from __future__ import annotations

@@ -67,6 +67,6 @@ def test_chunks_inside_a_formatted_python_list_are_found_in_their_escaped_form()
         for spans in (find_chunks(prompt, index), find_chunks(prompt, retrieved=chunks)):
             split = split_text(prompt, spans)
             assert len(split.chunks) == 3 and split.separator == "\\n"
-            # the chunk is the text as the prompt holds it, so tokens match a full prefill
+            # the chunk is the text as the prompt holds it: the fused text is the prompt
             assert split.before + "\\n".join(split.chunks) + split.after == prompt
             assert split.chunks[0] == A.replace("\n", "\\n")
