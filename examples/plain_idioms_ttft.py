@@ -1,147 +1,268 @@
-"""TTFT full vs blend through the plain idioms, and background warmup's cost to a running query.
+"""TTFT full vs blend through each idiom users already know (the table of issue 10).
 
-1. LlamaIndex ``Settings.llm = BlendLLM`` + ``index.as_query_engine()`` and the LangChain LCEL
-   ``format_docs`` chain, over MuSiQue passages in a temporary Chroma, warmed at ingestion
-   (canonical chunk context): per question, full and blend run back to back (interleaved).
-2. Warmup interference: the same blend query while the warmup pool (a) is idle, (b) works
-   through a backlog with ``pause_during_queries`` on, (c) off; interleaved per round.
-Writes JSON (medians of per-question ratios) to ``--out``. Timings on a shared machine are noisy.
+MuSiQue passages in a temporary Chroma, KV warmed at ingestion (LlamaIndex ``BlendWarmup``
+with ``escaped_forms=True`` for ``simple_summarize``, LangChain ``add_documents``), canonical
+chunk context. For each idiom and question, a full-prefill run and a blend run go back to back
+(interleaved); the table reports chunk hits / chunks found and the median of the per-question
+TTFT ratios. The last row ingests into an empty store and queries at once, without waiting for
+warmup. Writes ``out/plain_idioms_ttft.json`` and prints a markdown table. Timings on a shared
+machine are indicative only; hits and modes are exact.
+
+    python examples/plain_idioms_ttft.py --cases 2 --questions 3 --top-k 6
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import load_passages, parse_args  # noqa: E402
 
+QUESTION_FIRST = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+    "context to answer the question.\nQuestion: {question}\nContext: {context}\nAnswer:"
+)
+
+
+def llamaindex_idioms(engine, passages, top_k, new_tokens, escaped_forms=True):
+    """(name, run(mode, question) -> stats) for the LlamaIndex idioms, after ingestion."""
+    import chromadb
+    from llama_index.core import Document, Settings, StorageContext, VectorStoreIndex
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding
+    from llama_index.llms.ragblend.query_engine import blend_query_engine
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+
+    llm = BlendLLM(engine=engine, max_new_tokens=new_tokens)
+    Settings.llm, Settings.embed_model = llm, (embed := MiniLMEmbedding())
+    client = chromadb.PersistentClient(path=tempfile.mkdtemp())
+    collection = client.get_or_create_collection("docs")
+    index = VectorStoreIndex.from_documents(
+        [Document(text=p["text"], metadata={"title": p["title"]}) for p in passages],
+        storage_context=StorageContext.from_defaults(vector_store=ChromaVectorStore(collection)),
+        transformations=[
+            SentenceSplitter(chunk_size=1024),
+            embed,
+            BlendWarmup(llm, escaped_forms=escaped_forms),
+        ],
+    )
+
+    def stats() -> dict:
+        s = llm.last_stats
+        found = s.chunk_hits + s.chunk_misses
+        return {
+            "ttft_ms": s.ttft_ms,
+            "mode": s.mode,
+            "hits": s.chunk_hits,
+            "found": found,
+            "prompt_tokens": s.prompt_tokens,
+        }
+
+    def plain(**kwargs) -> Callable[[str, str], dict]:
+        query_engine = index.as_query_engine(llm=llm, similarity_top_k=top_k, **kwargs)
+
+        def run(mode: str, question: str) -> dict:
+            llm.mode = mode
+            response = query_engine.query(question)
+            if kwargs.get("streaming"):
+                "".join(response.response_gen)
+            return stats()
+
+        return run
+
+    def aquery(mode: str, question: str) -> dict:
+        llm.mode = mode
+        asyncio.run(index.as_query_engine(llm=llm, similarity_top_k=top_k).aquery(question))
+        return stats()
+
+    documented = blend_query_engine(llm, index, similarity_top_k=top_k)
+
+    def factory(mode: str, question: str) -> dict:
+        llm.mode = mode
+        documented.query(question)
+        return stats()
+
+    question_first = PromptTemplate(
+        "Question: {query_str}\nAnswer using only these passages.\n{context_str}\nAnswer:"
+    )
+    idioms = [
+        ("LlamaIndex `blend_query_engine(llm, index)` (documented)", factory),
+        ("`Settings.llm = BlendLLM`; `index.as_query_engine()` (compact)", plain()),
+        ("… `as_query_engine(streaming=True)`", plain(streaming=True)),
+        ("… `aquery`", aquery),
+        ("… `response_mode='simple_summarize'`", plain(response_mode="simple_summarize")),
+        ("… question-first `text_qa_template`", plain(text_qa_template=question_first)),
+    ]
+    return llm, idioms
+
+
+def langchain_idioms(engine, passages, top_k, new_tokens):
+    """(name, run(mode, question) -> stats) for the LangChain idioms, after add_documents."""
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+    from langchain_core.documents import Document
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_ragblend import (
+        BlendStatsCallbackHandler,
+        ChatRagBlend,
+        add_documents,
+        create_blend_retrieval_chain,
+        offline_chroma,
+    )
+
+    llm = ChatRagBlend(engine=engine, max_new_tokens=new_tokens)
+    store = offline_chroma(tempfile.mkdtemp())
+    add_documents(store, [Document(page_content=p["text"]) for p in passages], llm)
+    retriever = store.as_retriever(search_kwargs={"k": top_k})
+
+    def format_docs(docs: list[Document]) -> str:
+        return "\n\n".join(doc.page_content for doc in docs)
+
+    def lcel(template: str):
+        prompt = ChatPromptTemplate.from_template(template)
+        return {"context": retriever | format_docs, "question": RunnablePassthrough()} | (
+            prompt | llm
+        )
+
+    tutorial = lcel(
+        "Answer the question from the context.\nContext: {context}\nQuestion: {question}\nAnswer:"
+    )
+    stuff_prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from this context:\n\n{context}"), ("human", "{input}")]
+    )
+    classic = create_retrieval_chain(retriever, create_stuff_documents_chain(llm, stuff_prompt))
+
+    def runner(chain, as_dict: bool = False, how: str = "invoke"):
+        def run(mode: str, question: str) -> dict:
+            llm.mode = mode
+            handler = BlendStatsCallbackHandler()
+            config = {"callbacks": [handler]}
+            arg = {"input": question} if as_dict else question
+            if how == "stream":
+                for _ in chain.stream(arg, config=config):
+                    pass
+            elif how == "ainvoke":
+                asyncio.run(chain.ainvoke(arg, config=config))
+            else:
+                chain.invoke(arg, config=config)
+            meta = handler.last
+            found = meta["chunk_hits"] + meta["chunk_misses"]
+            return {
+                "ttft_ms": meta["ttft_ms"],
+                "mode": meta["mode"],
+                "hits": meta["chunk_hits"],
+                "found": found,
+                "prompt_tokens": meta["usage"].get("input_tokens"),
+            }
+
+        return run
+
+    idioms = [
+        (
+            "LangChain `create_blend_retrieval_chain` (documented)",
+            runner(create_blend_retrieval_chain(retriever, llm), as_dict=True),
+        ),
+        ("LCEL tutorial chain (`retriever \\| format_docs`)", runner(tutorial)),
+        ("… `.stream`", runner(tutorial, how="stream")),
+        ("… `.ainvoke`", runner(tutorial, how="ainvoke")),
+        (
+            "classic `create_stuff_documents_chain` + `create_retrieval_chain`",
+            runner(classic, as_dict=True),
+        ),
+        ("question-first template (hub rag-prompt)", runner(lcel(QUESTION_FIRST))),
+    ]
+    return llm, idioms
+
+
+def measure(run, questions: list[str], top_k: int) -> dict:
+    rows = []
+    for q in questions:
+        full, blend = run("full", q), run("blend", q)
+        rows.append(
+            {
+                "question": q,
+                "full": full,
+                "blend": blend,
+                "speedup": full["ttft_ms"] / blend["ttft_ms"],
+            }
+        )
+    return {
+        "rows": rows,
+        "hits": sum(r["blend"]["hits"] for r in rows),
+        "found": sum(r["blend"]["found"] for r in rows),
+        "retrieved": top_k * len(rows),
+        "blend_modes": sorted({r["blend"]["mode"] for r in rows}),
+        "median_speedup": statistics.median(r["speedup"] for r in rows),
+        "full_ttft_ms_median": statistics.median(r["full"]["ttft_ms"] for r in rows),
+        "blend_ttft_ms_median": statistics.median(r["blend"]["ttft_ms"] for r in rows),
+        "prompt_tokens_median": statistics.median(r["full"]["prompt_tokens"] for r in rows),
+    }
+
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    import chromadb
-    from langchain_chroma import Chroma
-    from langchain_core.documents import Document as LCDocument
-    from langchain_core.prompts import ChatPromptTemplate
-    from langchain_core.runnables import RunnablePassthrough
-    from langchain_ragblend import ChatRagBlend, MiniLMEmbeddings
-    from llama_index.core import Document, Settings, StorageContext, VectorStoreIndex
-    from llama_index.core.node_parser import SentenceSplitter
-    from llama_index.llms.ragblend import BlendLLM, BlendWarmup, MiniLMEmbedding
-    from llama_index.vector_stores.chroma import ChromaVectorStore
-
     from ragblend import BlendConfig, BlendEngine
-    from ragblend.warmup import WarmupPool
+    from ragblend.store.memory import MemoryStore
 
     data, passages = load_passages(args.dataset, args.cases or args.questions)
     questions = [case["question"] for case in data[: args.questions]]
     engine = BlendEngine.from_pretrained(
         args.model, config=BlendConfig(precompute_context="canonical")
     )
-    new = args.max_new_tokens
-    li_llm = BlendLLM(engine=engine, max_new_tokens=new)
-    Settings.llm, Settings.embed_model = li_llm, (embed := MiniLMEmbedding())
-    collection = chromadb.PersistentClient(path=tempfile.mkdtemp()).get_or_create_collection("docs")
-    index = VectorStoreIndex.from_documents(
-        [Document(text=p["text"]) for p in passages],
-        storage_context=StorageContext.from_defaults(vector_store=ChromaVectorStore(collection)),
-        transformations=[SentenceSplitter(chunk_size=1024), embed, BlendWarmup(li_llm)],
-    )
+    new, k = args.max_new_tokens, args.top_k
+    li_llm, li = llamaindex_idioms(engine, passages, k, new)
+    lc_llm, lc = langchain_idioms(engine, passages, k, new)
     li_llm.wait_for_warmup()
-    query_engine = index.as_query_engine(similarity_top_k=args.top_k)
-
-    lc_llm = ChatRagBlend(engine=engine, max_new_tokens=new)
-    docs = [LCDocument(page_content=p["text"]) for p in passages]
-    retriever = Chroma.from_documents(
-        docs, MiniLMEmbeddings(), persist_directory=tempfile.mkdtemp()
-    ).as_retriever(search_kwargs={"k": args.top_k})
-    lc_llm.warm(docs)
     lc_llm.wait_for_warmup()
-    prompt = ChatPromptTemplate.from_template(
-        "Answer the question from the context.\nContext: {context}\nQuestion: {question}\nAnswer:"
-    )
-    chain = (
-        {
-            "context": retriever | (lambda ds: "\n\n".join(d.page_content for d in ds)),
-            "question": RunnablePassthrough(),
-        }
-        | prompt
-        | lc_llm
-    )
 
-    def li(mode: str, q: str) -> dict:
-        li_llm.mode = mode
-        query_engine.query(q)
-        s = li_llm.last_stats
-        return {"ttft_ms": s.ttft_ms, "mode": s.mode, "hits": s.chunk_hits}
-
-    def lc(mode: str, q: str) -> dict:
-        lc_llm.mode = mode
-        meta = chain.invoke(q).response_metadata
-        return {"ttft_ms": meta["ttft_ms"], "mode": meta["mode"], "hits": meta["chunk_hits"]}
-
-    results: dict = {"machine": "shared 2-core CPU; noisy", "questions": len(questions)}
-    for name, run in (("llamaindex_query_engine", li), ("langchain_lcel", lc)):
-        rows = []
-        for q in questions:
-            full, blend = run("full", q), run("blend", q)
-            rows.append(
-                {
-                    "question": q,
-                    "full": full,
-                    "blend": blend,
-                    "speedup": full["ttft_ms"] / blend["ttft_ms"],
-                }
-            )
-        results[name] = {
-            "rows": rows,
-            "median_speedup": statistics.median(r["speedup"] for r in rows),
-        }
-        print(
-            name,
-            "median TTFT speedup",
-            round(results[name]["median_speedup"], 2),
-            [
-                (round(r["full"]["ttft_ms"]), round(r["blend"]["ttft_ms"]), r["blend"]["hits"])
-                for r in rows
-            ],
-        )
-
-    # warmup interference: blend query latency with an idle / busy-paused / busy-unpaused pool
-    backlog = [f"{p['text']} (variant {i})" for i in range(40) for p in passages[:3]]
-    li_llm.mode = "blend"
-    ratios: dict[str, list[float]] = {"paused": [], "unpaused": []}
-    for q in questions:
-        timings = {}
-        for variant in ("idle", "paused", "unpaused"):
-            pool = WarmupPool(engine, pause_during_queries=variant == "paused")
-            if variant != "idle":
-                pool.warm(backlog[:20])
-                backlog = backlog[20:]
-                time.sleep(0.3)  # the worker is busy on the backlog
-            li_llm._warmup = pool  # route the query's pause through this pool
-            t0 = time.perf_counter()
-            query_engine.query(q)
-            timings[variant] = time.perf_counter() - t0
-            li_llm._warmup = None
-            pool.close(wait=False)
-        for variant in ratios:
-            ratios[variant].append(timings[variant] / timings["idle"])
-    results["warmup_interference"] = {
-        v: {"median_latency_ratio_vs_idle": statistics.median(r), "ratios": r}
-        for v, r in ratios.items()
+    results: dict = {
+        "machine": "shared 2-core CPU, other jobs running: TTFT indicative, hits exact",
+        "passages": len(passages),
+        "questions": len(questions),
+        "top_k": k,
+        "idioms": {},
     }
-    print(
-        "warmup interference (query latency / idle):",
-        {v: round(statistics.median(r), 2) for v, r in ratios.items()},
-    )
+    for name, run in li + lc:
+        try:
+            results["idioms"][name] = measure(run, questions, k)
+        except Exception as exc:  # a row that does not run is a result too
+            results["idioms"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(name, json.dumps(results["idioms"][name].get("median_speedup")), flush=True)
+
+    # ingest into an empty store and query at once: warmup still running
+    cold = engine.with_config(store=MemoryStore(engine.config.ram_bytes))
+    cold_llm, cold_idioms = llamaindex_idioms(cold, passages, k, new, escaped_forms=False)
+    name = "`index.as_query_engine()` right after ingestion (no wait)"
+    results["idioms"][name] = measure(dict(cold_idioms)[li[1][0]], questions, k)
+    cold_llm.close()
+    li_llm.close()
+    lc_llm.close()
+
+    lines = ["| idiom | runs | blends (hits / found / retrieved) | TTFT full → blend (ms) |"]
+    lines.append("|---|---|---|---|")
+    for name, r in results["idioms"].items():
+        if "error" in r:
+            lines.append(f"| {name} | no: {r['error']} | – | – |")
+            continue
+        lines.append(
+            f"| {name} | yes | {r['hits']}/{r['found']}/{r['retrieved']} "
+            f"(mode {', '.join(r['blend_modes'])}) | {r['full_ttft_ms_median']:.0f} → "
+            f"{r['blend_ttft_ms_median']:.0f}, {r['median_speedup']:.1f}× |"
+        )
+    table = "\n".join(lines)
+    results["table"] = table
     out = Path("out/plain_idioms_ttft.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
+    print(table)
     print("wrote", out)
 
 

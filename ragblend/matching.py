@@ -6,6 +6,11 @@ retrieved (:func:`add_retrieved`, scoped per thread / asyncio task with a contex
 every chunk an engine was warmed with (:func:`known_chunks`) — and split there. Each piece
 (head text, chunk, between-text, tail) is tokenised on its own, as the documented chunked
 paths do. Separators are never parsed: only exact chunk texts split the prompt.
+
+A chunk is also found in the forms frameworks turn texts into (:func:`prompt_forms`): LlamaIndex's
+``simple_summarize`` formats its context as a Python list, so each chunk appears with its
+newlines and quotes escaped. The matched chunk is always the text as it occurs in the prompt, so
+the fused prompt is the very text a full prefill would read.
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ _retrieved: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 )
 
 
+def prompt_forms(text: str) -> list[str]:
+    """The forms ``text`` can take inside a prompt: itself, and its body inside a Python ``repr``
+    (a list of strings formatted into a template, e.g. LlamaIndex ``simple_summarize``) with
+    either quote style. Duplicates are dropped; ``text`` comes first."""
+    forms = [text, repr("\"'" + text)[4:-1]]  # both quotes present: single-quoted, ' escaped
+    if '"' not in text:
+        forms.append(repr("'" + text)[2:-1])  # double-quoted repr, ' left as is
+    return list(dict.fromkeys(forms))
+
+
 def add_retrieved(texts: Iterable[str]) -> None:
     """Record texts this query retrieved (visible only to this thread / task and its children)."""
     new = tuple(t for t in texts if t and len(t) >= MIN_CHUNK_CHARS)
@@ -52,8 +67,8 @@ def current_retrieved() -> tuple[str, ...]:
 class ChunkIndex:
     """A set of known chunk texts, searchable inside a prompt with one Aho-Corasick pass.
 
-    Holds a window and a hash per chunk, not the texts. Thread-safe; the automaton is rebuilt
-    lazily on the first search after texts were added.
+    Holds a window and a hash per form of a chunk (:func:`prompt_forms`), not the texts.
+    Thread-safe; the automaton is rebuilt lazily on the first search after texts were added.
     """
 
     def __init__(self) -> None:
@@ -72,13 +87,16 @@ class ChunkIndex:
             for text in texts:
                 if not text or len(text) < MIN_CHUNK_CHARS:
                     continue
-                offset = max(0, (len(text) - WINDOW_CHARS) // 2)
-                window = text[offset : offset + WINDOW_CHARS]
-                entry = (offset, len(text), hash(text))
-                bucket = self._windows.setdefault(window, set())
-                if entry not in bucket:
-                    bucket.add(entry)
-                    added += 1
+                new = False
+                for form in prompt_forms(text):
+                    offset = max(0, (len(form) - WINDOW_CHARS) // 2)
+                    window = form[offset : offset + WINDOW_CHARS]
+                    entry = (offset, len(form), hash(form))
+                    bucket = self._windows.setdefault(window, set())
+                    if entry not in bucket:
+                        bucket.add(entry)
+                        new = True
+                added += new
             if added:
                 self._size += added
                 self._automaton = None
@@ -128,7 +146,8 @@ def find_chunks(
 ) -> list[tuple[int, int]]:
     """Non-overlapping spans of known chunks in ``text``, leftmost first, longest on ties."""
     spans = list(index.spans(text)) if index is not None else []
-    for chunk in set(retrieved):
+    forms = {form for chunk in set(retrieved) for form in prompt_forms(chunk)}
+    for chunk in forms:
         if len(chunk) < MIN_CHUNK_CHARS:
             continue
         start = text.find(chunk)

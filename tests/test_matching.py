@@ -55,3 +55,18 @@ def test_retrieved_sets_do_not_leak_between_threads():
     assert current_retrieved() == (A,)
     assert seen["other"] == (A, B)
     clear_retrieved()
+
+
+def test_chunks_inside_a_formatted_python_list_are_found_in_their_escaped_form():
+    # LlamaIndex simple_summarize formats ["\n".join(chunks)] into its template
+    quoted = B.replace("Berlin", "'Berlin'")  # a quote switches repr to double quotes
+    for chunks in ([A, B, C], [A, quoted, C]):
+        prompt = "Context:\n" + str(["\n".join(chunks)]) + "\nQuery: capital?"
+        index = ChunkIndex()
+        index.add(chunks)
+        for spans in (find_chunks(prompt, index), find_chunks(prompt, retrieved=chunks)):
+            split = split_text(prompt, spans)
+            assert len(split.chunks) == 3 and split.separator == "\\n"
+            # the chunk is the text as the prompt holds it: the fused text is the prompt
+            assert split.before + "\\n".join(split.chunks) + split.after == prompt
+            assert split.chunks[0] == A.replace("\n", "\\n")

@@ -31,6 +31,7 @@ from ragblend.prompt import TokenizedPrompt, encode
 from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 from langchain_ragblend.chunks import content_text, document_text, split_chunked_content
+from langchain_ragblend.retrieved import RECORDER
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,10 @@ class ChatRagBlend(BaseChatModel):
         return len(self.engine.chat_ids(chat))
 
     # ------------------------------------------------------------------ requests
-    def _prepare(self, messages: list[BaseMessage], kwargs: dict[str, Any]) -> _Request:
+    def _prepare(
+        self, messages: list[BaseMessage], kwargs: dict[str, Any], run_manager: Any = None
+    ) -> _Request:
+        """One engine call for ``messages``; ``run_manager`` finds what this query retrieved."""
         kwargs = dict(kwargs)
         if "max_tokens" in kwargs:
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
@@ -254,8 +258,11 @@ class ChatRagBlend(BaseChatModel):
         if options["mode"] in ("reuse", "blend") or (
             options["mode"] is None and self.engine.config.mode in ("reuse", "blend")
         ):
-            # plain text (format_docs, stuff chains): split at known chunk texts
-            prompt = chunked_prompt(self.engine.tokenizer, chat, index=known_chunks(self.engine))
+            # plain text (format_docs, stuff chains): split at known or retrieved chunk texts
+            retrieved = RECORDER.retrieved_for(run_manager.run_id) if run_manager else ()
+            prompt = chunked_prompt(
+                self.engine.tokenizer, chat, index=known_chunks(self.engine), retrieved=retrieved
+            )
             if prompt is not None:
                 return _Request(options, chat=chat, tokenized=prompt)
         return _Request(options, chat=chat)
@@ -297,6 +304,8 @@ class ChatRagBlend(BaseChatModel):
         pool = self._pool  # background warmup (if any) starts no new chunk meanwhile
         with pool.query() if pool is not None else contextlib.nullcontext():
             yield from self._decode_chunks(req, stop, cancel)
+        if req.tokenized is not None:  # queued after the call, not while it runs
+            self._warm_missing(req.tokenized.chunk_texts)
 
     def _decode_chunks(
         self, req: _Request, stop: list[str] | None, cancel: threading.Event | None
@@ -380,7 +389,8 @@ class ChatRagBlend(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return self._result(list(self._iter_chunks(self._prepare(messages, kwargs), stop)))
+        req = self._prepare(messages, kwargs, run_manager)
+        return self._result(list(self._iter_chunks(req, stop)))
 
     def _stream(
         self,
@@ -389,17 +399,21 @@ class ChatRagBlend(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        for chunk in self._iter_chunks(self._prepare(messages, kwargs), stop):
+        for chunk in self._iter_chunks(self._prepare(messages, kwargs, run_manager), stop):
             if run_manager is not None:
                 run_manager.on_llm_new_token(str(chunk.message.content), chunk=chunk)
             yield chunk
 
     # ------------------------------------------------------------------ async API
     async def _achunks(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        run_manager: Any = None,
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Run the engine on a worker thread; hand its chunks to the event loop via a queue."""
-        req = self._prepare(messages, kwargs)
+        req = self._prepare(messages, kwargs, run_manager)
         chunks = aiter_in_thread(
             lambda cancel: self._iter_chunks(req, stop, cancel), name="ragblend-generate"
         )
@@ -413,7 +427,7 @@ class ChatRagBlend(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return self._result([c async for c in self._achunks(messages, stop, kwargs)])
+        return self._result([c async for c in self._achunks(messages, stop, kwargs, run_manager)])
 
     async def _astream(
         self,
@@ -422,7 +436,7 @@ class ChatRagBlend(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in self._achunks(messages, stop, kwargs):
+        async for chunk in self._achunks(messages, stop, kwargs, run_manager):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(str(chunk.message.content), chunk=chunk)
             yield chunk
@@ -472,6 +486,12 @@ class ChatRagBlend(BaseChatModel):
     def warm_retrieved(self, documents: Iterable[Document | str]) -> list[str]:
         """Like :meth:`warm`, queued before the ingestion backlog (retrieval-time misses)."""
         return self._warm(documents, RETRIEVAL)
+
+    def _warm_missing(self, texts: Sequence[str]) -> None:
+        """Queue the matched chunks that are not stored before the backlog (the next query
+        retrieving them hits); nothing is queued, and no pool started, when all are stored."""
+        if any(not self.engine.is_cached(t, self.prompt_format) for t in texts):
+            self._warm(texts, RETRIEVAL)
 
     def _warm(self, documents: Iterable[Document | str], priority: int) -> list[str]:
         docs = list(documents)

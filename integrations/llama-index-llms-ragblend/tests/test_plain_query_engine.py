@@ -83,9 +83,49 @@ def test_async_query_engine_hits(index, llm):
     _assert_all_hit(llm)
 
 
+def test_async_streaming_query_engine_hits(index, llm):
+    async def run() -> str:
+        engine = index.as_query_engine(similarity_top_k=TOP_K, streaming=True)
+        response = await engine.aquery(QUESTION)
+        return "".join([token async for token in response.async_response_gen()])
+
+    assert asyncio.run(run())
+    _assert_all_hit(llm)
+
+
 def test_refine_mode_hits_the_chunk_of_each_llm_call(index, llm):
     index.as_query_engine(similarity_top_k=TOP_K, response_mode="refine").query(QUESTION)
     _assert_all_hit(llm, chunks=1)
+
+
+def test_simple_summarize_finds_chunks_in_its_list_repr_and_hits_once_they_are_warmed(index, llm):
+    # simple_summarize formats its context as a Python list: every chunk's newlines escaped
+    engine = index.as_query_engine(similarity_top_k=TOP_K, response_mode="simple_summarize")
+    engine.query(QUESTION)
+    stats = llm.last_stats
+    assert stats.chunk_hits + stats.chunk_misses == TOP_K  # each chunk found in its escaped form
+    assert llm.wait_for_warmup(timeout=300)  # the missed forms were queued at retrieval priority
+    engine.query(QUESTION)
+    _assert_all_hit(llm)
+
+
+def test_ingestion_warmup_with_escaped_forms_lets_simple_summarize_hit_at_once(canonical_engine):
+    llm = BlendLLM(engine=canonical_engine, max_new_tokens=4)
+    docs = [
+        Document(text=f"{t}\nIt's in volume {i}.", metadata={"title": f"vol {i}"})
+        for i, t in enumerate(TEXTS)
+    ]
+    embed, warmup = MiniLMEmbedding(), BlendWarmup(llm, escaped_forms=True)
+    index = VectorStoreIndex.from_documents(
+        docs, transformations=[SentenceSplitter(chunk_size=1024), embed, warmup], embed_model=embed
+    )
+    assert llm.wait_for_warmup(timeout=300)
+    engine = index.as_query_engine(
+        llm=llm, similarity_top_k=TOP_K, response_mode="simple_summarize"
+    )
+    engine.query(QUESTION)
+    _assert_all_hit(llm)
+    llm.close()
 
 
 def test_blend_at_ratio_one_answers_as_full_prefill_through_plain_query_engine(

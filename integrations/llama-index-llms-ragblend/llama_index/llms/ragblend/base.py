@@ -32,20 +32,31 @@ from ragblend import BlendConfig, BlendEngine, BlendResult, BlendStats, PromptFo
 from ragblend.bridge import aiter_in_thread
 from ragblend.config import MODES
 from ragblend.errors import RagblendError
-from ragblend.matching import chunked_prompt, fallback_message, known_chunks, mark_fallback
+from ragblend.matching import (
+    chunked_prompt,
+    fallback_message,
+    known_chunks,
+    mark_fallback,
+    prompt_forms,
+)
 from ragblend.prompt import encode
 from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 log = logging.getLogger(__name__)
 
 
-def node_texts(nodes: Iterable[BaseNode | NodeWithScore]) -> list[str]:
+def node_texts(nodes: Iterable[BaseNode | NodeWithScore], escaped_forms: bool = False) -> list[str]:
     """The texts a node appears as in prompts: its LLM-mode content (what the synthesizer and
-    refine send) and that content stripped (what compact mode packs), without duplicates."""
+    refine send) and that content stripped (what compact mode packs), without duplicates.
+
+    ``escaped_forms`` adds the forms the content takes inside ``simple_summarize``'s prompt,
+    which formats the context as a Python list (newlines and quotes escaped).
+    """
     texts: list[str] = []
     for node in nodes:
         text = node.get_content(metadata_mode=MetadataMode.LLM)
-        for variant in (text, text.strip()):
+        forms = prompt_forms(text) if escaped_forms else [text]
+        for variant in (*forms, text.strip()):
             if variant and variant not in texts:
                 texts.append(variant)
     return texts
@@ -208,12 +219,23 @@ class BlendLLM(CustomLLM):
             prompt = chunked_prompt(tokenizer, chat, text, index=known_chunks(self._engine))
             if prompt is not None:
                 ratio = kwargs.get("ratio", self.ratio)
-                return self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
+                stream = self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))
+                stream.matched_chunks = prompt.chunk_texts  # warmed after the call if missing
+                return stream
         if chat is None:
             ids = list(self._engine.tokenizer(text)["input_ids"])
         else:
             ids = self._engine.chat_ids(chat)
         return self._engine.stream_prompt(ids, **self._decoding(kwargs))
+
+    def _result(self, stream: Any) -> BlendResult:
+        """The finished stream's result; then queue its matched chunks that are not stored
+        (e.g. a chunk in a form never warmed, such as ``simple_summarize``'s escaped list)
+        ahead of the backlog, so the next query hits. Queued after the call, not during it."""
+        missing = [t for t in getattr(stream, "matched_chunks", ()) if not self.is_cached(t)]
+        if missing:
+            self.warmup(missing, only_missing=True)
+        return _result_of(stream)
 
     def _chat_dicts(self, messages: Sequence[ChatMessage], add_system: bool = False) -> list:
         out = [{"role": _ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
@@ -230,7 +252,7 @@ class BlendLLM(CustomLLM):
         with self._querying():
             for _ in stream:
                 pass
-        return _result_of(stream)
+        return self._result(stream)
 
     def _finish(self, result: BlendResult) -> dict:
         """Record the stats; usage in the shape TokenCountingHandler reads (``raw['usage']``).
@@ -272,7 +294,7 @@ class BlendLLM(CustomLLM):
             for delta in stream:
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-        yield self._completion(_result_of(stream), delta="")
+        yield self._completion(self._result(stream), delta="")
 
     def _chat_gen(self, stream: Any) -> Iterator[ChatResponse]:
         text = ""
@@ -281,7 +303,7 @@ class BlendLLM(CustomLLM):
                 text += delta
                 message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
                 yield ChatResponse(message=message, delta=delta)
-        yield self._chat_response(_result_of(stream), delta="")
+        yield self._chat_response(self._result(stream), delta="")
 
     # ------------------------------------------------------------------ sync API
     @llm_completion_callback()
@@ -355,10 +377,15 @@ class BlendLLM(CustomLLM):
         )
 
     def warmup_nodes(
-        self, nodes: Iterable[BaseNode | NodeWithScore], only_missing: bool = False
+        self,
+        nodes: Iterable[BaseNode | NodeWithScore],
+        only_missing: bool = False,
+        escaped_forms: bool = False,
     ) -> int:
-        """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute."""
-        return self.warmup(node_texts(nodes), only_missing=only_missing)
+        """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute;
+        ``escaped_forms`` also the forms ``simple_summarize`` sends (see :func:`node_texts`)."""
+        texts = node_texts(nodes, escaped_forms=escaped_forms)
+        return self.warmup(texts, only_missing=only_missing)
 
     def is_cached(self, text: str) -> bool:
         """Whether ``text``'s chunk KV is in the store, in this LLM's prompt context."""

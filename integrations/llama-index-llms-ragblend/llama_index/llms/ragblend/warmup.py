@@ -34,6 +34,11 @@ class BlendWarmup(TransformComponent):
         description="Per-instance id: an IngestionCache hit must not skip the warmup of a "
         "new KV store.",
     )
+    escaped_forms: bool = Field(
+        default=False,
+        description="Also precompute each node in the escaped form response_mode="
+        "'simple_summarize' sends (its context is a Python list); doubles the warmup work.",
+    )
     _llm: BlendLLM = PrivateAttr()
 
     def __init__(self, llm: BlendLLM, **kwargs: Any) -> None:
@@ -49,7 +54,7 @@ class BlendWarmup(TransformComponent):
         return self._llm
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        self._llm.warmup_nodes(nodes)
+        self._llm.warmup_nodes(nodes, escaped_forms=self.escaped_forms)
         return nodes
 
 
