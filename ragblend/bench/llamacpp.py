@@ -8,11 +8,12 @@ that path segfaults on these CPUs (upstream llama.cpp #20824).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,10 +67,12 @@ class LlamaCppPeer:
             flash_attn=setting.flash_attn,
             verbose=False,
         )
-        if "use_extra_bufts" in inspect.signature(Llama.__init__).parameters:
-            kwargs["use_extra_bufts"] = False
         self.setting = setting
-        self.llm = Llama(**kwargs)
+        if "use_extra_bufts" in inspect.signature(Llama.__init__).parameters:
+            self.llm = Llama(**kwargs, use_extra_bufts=False)
+        else:  # 0.3.36 has the field in llama_model_params but not as a Llama() argument
+            with _no_extra_buffer_types():
+                self.llm = Llama(**kwargs)
 
     def ttft_ms(self, ids: Sequence[int]) -> tuple[float, int]:
         """(milliseconds, greedy first token) for a full prefill of ``ids`` from an empty cache."""
@@ -82,6 +85,25 @@ class LlamaCppPeer:
 
     def close(self) -> None:
         self.llm.close()
+
+
+@contextlib.contextmanager
+def _no_extra_buffer_types() -> Iterator[None]:
+    """While a ``Llama`` is built: its model params with ``use_extra_bufts = False``."""
+    import llama_cpp.llama_cpp as bindings
+
+    default = bindings.llama_model_default_params
+
+    def without_extra_bufts():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without_extra_bufts
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = default
 
 
 def _torch_threads() -> int:
