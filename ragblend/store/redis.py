@@ -24,7 +24,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import xxhash
@@ -117,34 +117,44 @@ class RedisEntry:
         return int(self.header["nbytes"])
 
     def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
-        """Layer ``index`` as stored (e.g. int8 + scales); fetched in one round trip."""
+        """Layer ``index`` as stored (e.g. int8 + scales); one round trip unless already
+        fetched (``RedisStore.fetch_layers`` reads it together with other entries')."""
         with self._lock:
-            if index not in self._stored:
-                self._fetch(index)
-            return self._stored[index]
+            stored = self._stored.get(index)
+        if stored is None:
+            self._store.fetch_layers([self], index)
+            with self._lock:
+                stored = self._stored[index]
+        return stored
 
-    def _fetch(self, index: int) -> None:
+    def layer_batcher(self) -> tuple[RedisStore, RedisEntry]:
+        return self._store, self
+
+    def _wanted(self, index: int) -> list[int]:
+        """Layers to fetch for ``index``: it and up to ``layers_per_fetch - 1`` after it,
+        less those already here."""
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} of {self.num_layers}")
         ahead = range(index, min(index + self._store.layers_per_fetch, self.num_layers))
-        wanted = [i for i in ahead if i not in self._stored]
-        try:
-            blobs = self._store._call(
-                lambda c: c.hmget(self._store.redis_key(self.key), [layer_field(i) for i in wanted])
-            )
-        except Unreachable:
-            raise CorruptEntryError(self.key, "the Redis server is unreachable") from None
-        for i, blob in zip(wanted, blobs):
+        with self._lock:
+            return [i for i in ahead if i not in self._stored]
+
+    def _accept(self, wanted: list[int], blobs: list[bytes | None]) -> None:
+        """Verify and parse fetched layers; ``CorruptEntryError`` (the entry dropped if its
+        data is bad) at the first that fails."""
+        for i, blob in zip(wanted, blobs, strict=True):
             if blob is None:
                 raise CorruptEntryError(self.key, f"layer {i} is gone (evicted or deleted)")
             if checksum(blob) != self.header["sums"][i]:
                 self._store.drop(self.key, f"layer {i} fails its checksum")
                 raise CorruptEntryError(self.key, f"layer {i} fails its checksum")
             try:
-                self._stored[i] = st_load(blob)
+                tensors = st_load(blob)
             except Exception as exc:  # safetensors raises its own error types
                 self._store.drop(self.key, f"layer {i} is unreadable: {exc}")
                 raise CorruptEntryError(self.key, f"layer {i} is unreadable") from None
+            with self._lock:
+                self._stored[i] = tensors
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute-dtype K and V of one layer, [kv_heads, tokens, head_dim]."""
@@ -199,6 +209,7 @@ class RedisStore:
         self.write_errors = 0
         self.dropped_writes = 0
         self.bytes_written = 0
+        self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
         self.last_error: str | None = None
         self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
         self._redis_error = redis.exceptions.RedisError
@@ -297,6 +308,52 @@ class RedisStore:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("Redis KV entry %s… is unusable (%s): treated as a miss", key[:16], reason)
+
+    def fetch_layers(self, entries: Sequence[KVEntry], index: int) -> None:
+        """Fetch layer ``index`` (and the next ``layers_per_fetch - 1``) of every entry in one
+        pipelined round trip (one ``HMGET`` per entry), verified and parsed on the calling
+        thread (the layer loader's reader), so each ``entry.layer(index)`` is then local.
+
+        ``entries`` are this store's ``RedisEntry`` objects. Every entry of the batch is
+        checked (bad data is dropped from Redis) before ``CorruptEntryError`` names the first
+        that failed: an unreachable server, an entry evicted since its header was read, a
+        value that fails its checksum or does not parse.
+        """
+        wants = []
+        for entry in entries:
+            if not isinstance(entry, RedisEntry) or entry._store is not self:
+                raise TypeError(f"{entry!r} is not an entry of {self!r}")
+            wanted = entry._wanted(index)
+            if wanted:
+                wants.append((entry, wanted))
+        if not wants:
+            return
+
+        def read(c):
+            pipe = c.pipeline(transaction=False)
+            for entry, wanted in wants:
+                pipe.hmget(self.redis_key(entry.key), [layer_field(i) for i in wanted])
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(read)
+        except Unreachable:
+            raise CorruptEntryError(wants[0][0].key, "the Redis server is unreachable") from None
+        except self._redis_error as exc:
+            raise CorruptEntryError(wants[0][0].key, f"layer read failed: {exc}") from None
+        with self._state:
+            self.layer_round_trips += 1
+        first: CorruptEntryError | None = None
+        for (entry, wanted), reply in zip(wants, replies, strict=True):
+            try:
+                if isinstance(reply, Exception):  # e.g. WRONGTYPE: something else at our key
+                    self.drop(entry.key, f"unreadable: {reply}")
+                    raise CorruptEntryError(entry.key, f"unreadable: {reply}")
+                entry._accept(wanted, reply)
+            except CorruptEntryError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, kv: KVEntry) -> None:
