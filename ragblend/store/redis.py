@@ -131,12 +131,14 @@ class RedisEntry:
         return self._store, self
 
     def _wanted(self, index: int) -> list[int]:
-        """Layers to fetch for ``index``: it and up to ``layers_per_fetch - 1`` after it,
-        less those already here."""
+        """Layers to fetch for ``index``: none when it is here, else it and up to
+        ``layers_per_fetch - 1`` after it (less those already here)."""
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} of {self.num_layers}")
         ahead = range(index, min(index + self._store.layers_per_fetch, self.num_layers))
         with self._lock:
+            if index in self._stored:
+                return []
             return [i for i in ahead if i not in self._stored]
 
     def _accept(self, wanted: list[int], blobs: list[bytes | None]) -> None:
