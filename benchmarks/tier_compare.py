@@ -8,7 +8,8 @@ entry (``entry.layer(i)``) and one layer of every entry of a query in one pipeli
 (``RedisStore.fetch_layers``, what the layer loader issues). Writes ``OUT/tier_compare.json``.
 
 ``--layers-per-fetch 1 4`` adds a Redis variant per value (the first is ``blend_redis``, the
-others ``blend_redis_lpf{N}``), all from the same server, interleaved with the rest.
+others ``blend_redis_lpf{N}``), all from the same server, interleaved with the rest;
+``--unix-socket`` adds ``blend_redis_unix``: the same server through a unix socket.
 
     python benchmarks/tier_compare.py --dataset ../shared/data/musique_dev.json --limit 10 \
         --out benchmarks/results/cpu
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from redis.utils import HIREDIS_AVAILABLE
 
 from ragblend import BlendEngine
 from ragblend.bench.datasets import load_cases
@@ -74,10 +76,14 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers-per-fetch", type=int, nargs="+", default=[1])
+    ap.add_argument("--unix-socket", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    server = RedisServer(Path(tempfile.mkdtemp(prefix="ragblend-redis-"))).start()
+    tmp = Path(tempfile.mkdtemp(prefix="ragblend-redis-"))
+    socket = tmp / "redis.sock"
+    server = RedisServer(tmp, extra=["--unixsocket", str(socket), "--unixsocketperm", "700"])
+    server.start()
     try:
         ram = BlendEngine.from_pretrained("embedded", store=MemoryStore())
         first = args.layers_per_fetch[0]
@@ -85,6 +91,8 @@ def main() -> None:
             redis_variant(n, first): RedisStore(server.url, layers_per_fetch=n)
             for n in args.layers_per_fetch
         }
+        if args.unix_socket:
+            stores["blend_redis_unix"] = RedisStore(f"unix://{socket}", layers_per_fetch=first)
         warm = next(iter(stores.values()))
         redis = ram.with_config(store=warm)
         cases = load_cases(args.dataset, ram.tokenizer, 6, 512, args.limit)
@@ -125,7 +133,8 @@ def main() -> None:
                 "kv_dtype": ram.kv_dtype,
                 "layers": ram.layers.num_layers,
                 "layers_per_fetch": {name: s.layers_per_fetch for name, s in stores.items()},
-                "redis_url": "redis://127.0.0.1 (TCP loopback)",
+                "redis_url": "redis://127.0.0.1 (TCP loopback); _unix: unix socket",
+                "hiredis": HIREDIS_AVAILABLE,
                 "torch_threads": torch.get_num_threads(),
             },
             "ttft_ms_median": {k: statistics.median(v) for k, v in ttft.items()},

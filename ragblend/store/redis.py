@@ -9,8 +9,10 @@ together, never one without the other)::
                 xxh3 checksums
         L{i}    layer i's stored tensors (``entry.stored_layer(i)``) as safetensors bytes
 
-``get`` reads the header only; ``RedisEntry.layer(i)`` fetches, verifies and decodes one layer
-(``decode_layer``), so the layer loader overlaps fetches with compute on its reader thread.
+``get`` reads the header only. The layer loader's reader thread calls ``fetch_layers(entries,
+i)``: layer ``i`` (and the next ``layers_per_fetch - 1``) of every entry of the query in one
+pipelined round trip, verified and parsed there, so a query costs about ``num_layers`` round
+trips, overlapped with compute. ``RedisEntry.layer(i)`` alone fetches one entry's layer.
 The store is a cache: a missing, evicted, foreign or corrupt entry and an unreachable server are
 misses (``CorruptEntryError`` from ``layer(i)`` mid-prefill: the engine discards and recomputes).
 Writes go through a background thread with a bounded queue, so ``put`` never waits for Redis.
