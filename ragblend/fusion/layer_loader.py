@@ -10,6 +10,12 @@ layer tensors; on CUDA it additionally stages host data in pinned buffers and co
 the device on a side stream, recording one event per layer that the consumer's stream waits on
 (no global synchronize). A reader exception (e.g. a corrupt disk entry) is re-raised in the
 consumer at the layer where it happened.
+
+Entries of a tier that can batch (``BatchableEntry``: the Redis tier) are fetched together:
+before copying layer ``i`` the loader asks each such tier once for layer ``i`` of all its
+entries (``LayerBatcher.fetch_layers``, one round trip), so a query costs about ``num_layers``
+round trips rather than ``num_layers × chunks``; the per-entry ``layer(i)`` calls that follow
+are then local.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ragblend.store.base import ChunkKV, KVEntry
+from ragblend.store.base import BatchableEntry, ChunkKV, KVEntry, LayerBatcher
 
 
 class LayerLoader:
@@ -54,6 +60,7 @@ class LayerLoader:
         self._produced = 0
         self._consumed = 0
         self._count_lock = threading.Lock()
+        self.batches = batch_groups(self.caches)
 
     @property
     def total(self) -> int:
@@ -61,6 +68,7 @@ class LayerLoader:
 
     def load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's cached K and V for the whole prompt (new tensors, current stream)."""
+        self.fetch_batched(layer)
         heads, dim = self.shape
         k = torch.empty(1, heads, self.total, dim, device=self.device, dtype=self.dtype)
         v = torch.empty_like(k)
@@ -75,6 +83,11 @@ class LayerLoader:
                 v[0, :, start : start + n].copy_(cv, non_blocking=True)
             start += n
         return k, v
+
+    def fetch_batched(self, layer: int) -> None:
+        """Fetch ``layer`` of every batchable entry: one call (round trip) per tier."""
+        for batcher, entries in self.batches:
+            batcher.fetch_layers(entries, layer)
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         if self.prefetch <= 0 or self.num_layers == 0:
@@ -172,6 +185,7 @@ class _CudaStager:
 
     def load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
         lo = self.loader
+        lo.fetch_batched(layer)
         heads, dim = lo.shape
         with torch.cuda.stream(self.side):
             k = torch.empty(1, heads, lo.total, dim, device=self.device, dtype=lo.dtype)
@@ -222,6 +236,18 @@ class _CudaStager:
         stream.wait_event(ready)
         k.record_stream(stream)
         v.record_stream(stream)
+
+
+def batch_groups(caches: Sequence[KVEntry | None]) -> list[tuple[LayerBatcher, list[KVEntry]]]:
+    """The batchable entries among ``caches``, grouped by the tier that fetches them."""
+    groups: dict[int, tuple[LayerBatcher, list[KVEntry]]] = {}
+    for cache in caches:
+        if isinstance(cache, BatchableEntry):
+            found = cache.layer_batcher()
+            if found is not None:
+                batcher, entry = found
+                groups.setdefault(id(batcher), (batcher, []))[1].append(entry)
+    return list(groups.values())
 
 
 def _on_cuda(cache) -> bool:

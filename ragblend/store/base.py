@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -88,6 +89,27 @@ class KVEntry(Protocol):
     def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
         """The tensors a tier persists for layer ``index`` (``{"k", "v"}``, plus scales for a
         quantised entry); ``ragblend.store.quant.decode_layer(meta, ...)`` reads them back."""
+        ...
+
+
+@runtime_checkable
+class LayerBatcher(Protocol):
+    """A tier that reads one layer of several of its entries in one round trip (Redis)."""
+
+    def fetch_layers(self, entries: Sequence[KVEntry], index: int) -> None:
+        """Read layer ``index`` (and possibly a few after it) of each of ``entries`` (this
+        tier's own entries) together, verified and parsed, so that ``entry.layer(index)`` then
+        costs no round trip. Raises ``CorruptEntryError`` naming the first entry that fails."""
+        ...
+
+
+@runtime_checkable
+class BatchableEntry(Protocol):
+    """An entry whose layers a ``LayerBatcher`` can read together with other entries'."""
+
+    def layer_batcher(self) -> tuple[LayerBatcher, KVEntry] | None:
+        """The batcher and the entry to hand it (this one, or the one it reads through), or
+        None when this entry's layers need no round trip."""
         ...
 
 

@@ -1,82 +1,39 @@
 """A read-through chain of tiers, fastest first: e.g. RAM → local disk → shared Redis.
 
 ``get`` asks each tier in turn; a hit below the first tier is handed out as a ``PromotedKV``
-that reads layers from the tier that had it and, once every layer has been read (and verified),
-puts the entry into every tier above, so the next lookup is served closer. ``put`` writes every
-tier (the Redis tier's writes are asynchronous, so the query path never waits on the network).
+that reads each layer's stored tensors once from the tier that had it and, once every layer has
+been read (and verified), puts the entry, as stored, into every tier above, so the next lookup
+is served closer. ``put`` writes every tier (the Redis tier's writes are asynchronous, so the
+query path never waits on the network). ``TieredStore`` (RAM → disk) is this chain of two.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from ragblend.store.base import ChunkKV, KVEntry, KVStore, StoreStats
-from ragblend.store.quant import decode_layer
-from ragblend.store.redis import RedisEntry
-
-log = logging.getLogger(__name__)
-
-
-class StoredKV:
-    """An entry held as its stored layers (e.g. int8 + scales) and meta, decoded on ``layer``."""
-
-    def __init__(self, meta: dict, layers: list[dict[str, torch.Tensor]], num_tokens: int):
-        self.meta = meta
-        self._layers = layers
-        self._tokens = num_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self._tokens
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._layers)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in self._layers for t in d.values())
-
-    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
-        return self._layers[index]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return decode_layer(self.meta, self._layers[index])
-
-    def materialize(self) -> ChunkKV:
-        layers = [self.layer(i) for i in range(self.num_layers)]
-        return ChunkKV(
-            torch.stack([k for k, _ in layers]),
-            torch.stack([v for _, v in layers]),
-            dict(self.meta),
-        )
-
-    # tiers written before the storage-dtype seam read ``k``/``v`` (compute dtype)
-    @property
-    def k(self) -> torch.Tensor:
-        return self.materialize().k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.materialize().v
+from ragblend.store.base import BatchableEntry, ChunkKV, KVEntry, KVStore, LayerBatcher, StoreStats
+from ragblend.store.disk_entry import DiskChunkKV
+from ragblend.store.quant import decode_layer, from_stored
 
 
 class PromotedKV:
-    """A lower tier's entry, read through; promoted to the tiers above once fully read."""
+    """A lower tier's entry, read through layer by layer; promoted to the tiers above once
+    every layer has been read.
+
+    Each layer's stored tensors (e.g. int8 + scales) are read from the lower entry once and
+    kept; ``layer(i)`` decodes them to the compute dtype. A ``CorruptEntryError`` from the lower
+    tier propagates (the engine discards the entry and recomputes); nothing is promoted then.
+    """
 
     def __init__(self, key: str, entry: KVEntry, above: Sequence[KVStore]) -> None:
         self.key = key
         self._entry = entry
         self._above = list(above)
         self.meta = entry.meta
-        self._keeps_stored = isinstance(entry, (RedisEntry, StoredKV, ChunkKV))
-        # layers read so far: as stored (``_keeps_stored``) or in the compute dtype
         self._stored: dict[int, dict[str, torch.Tensor]] = {}
-        self._computed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._promoted = False
         self._lock = threading.Lock()
 
@@ -92,39 +49,46 @@ class PromotedKV:
     def nbytes(self) -> int:
         return self._entry.nbytes
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._entry.layer(index)  # CorruptEntryError propagates: the engine recomputes
-        with self._lock:
-            if self._keeps_stored:
-                self._stored[index] = self._entry.stored_layer(index)
-            else:
-                self._computed[index] = kv
-            read = len(self._stored) + len(self._computed)
-            if read == self.num_layers and not self._promoted:
-                self._promoted = True
-                self._promote()
-        return kv
-
-    def _promote(self) -> None:
-        order = range(self.num_layers)
-        if self._keeps_stored:
-            full: KVEntry = StoredKV(
-                dict(self.meta), [self._stored[i] for i in order], self.num_tokens
-            )
-        else:  # a tier without stored layers: keep the compute-dtype layers
-            k = torch.stack([self._computed[i][0] for i in order])
-            v = torch.stack([self._computed[i][1] for i in order])
-            full = ChunkKV(k, v, {**self.meta, "kv_dtype": str(k.dtype).removeprefix("torch.")})
-        for tier in self._above:
-            tier.put(self.key, full)
+    def layer_batcher(self) -> tuple[LayerBatcher, KVEntry] | None:
+        """The lower entry's batcher, if it has one (reads land in the lower entry, where
+        ``stored_layer`` picks them up)."""
+        if isinstance(self._entry, BatchableEntry):
+            return self._entry.layer_batcher()
+        return None
 
     def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
-        return self._entry.stored_layer(index)
+        """Layer ``index`` as stored (read from the lower tier once; do not modify)."""
+        with self._lock:
+            stored = self._stored.get(index)
+        if stored is not None:
+            return stored
+        stored = self._entry.stored_layer(index)
+        with self._lock:
+            stored = self._stored.setdefault(index, stored)
+            complete = len(self._stored) == self.num_layers and not self._promoted
+            self._promoted = self._promoted or complete
+        if complete:
+            self._promote()
+        return stored
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer in the compute dtype, [kv_heads, tokens, head_dim]."""
+        return decode_layer(self.meta, self.stored_layer(index))
+
+    def _promote(self) -> None:
+        layers = [self._stored[i] for i in range(self.num_layers)]
+        stacked = {name: torch.stack([layer[name] for layer in layers]) for name in layers[0]}
+        full = from_stored(dict(self.meta), stacked)
+        for tier in self._above:
+            tier.put(self.key, full)
+        if isinstance(self._entry, DiskChunkKV):
+            self._entry.close()  # every layer is here now: release the entry file
 
     def materialize(self) -> ChunkKV:
-        for i in range(self.num_layers):
-            self.layer(i)
-        return self._entry.materialize()
+        layers = [self.layer(i) for i in range(self.num_layers)]
+        k = torch.stack([k for k, _ in layers])
+        v = torch.stack([v for _, v in layers])
+        return ChunkKV(k, v, dict(self.meta))
 
 
 class LayeredStore:
@@ -135,8 +99,11 @@ class LayeredStore:
             raise ValueError("a layered store needs at least one tier")
         self.tiers = list(tiers)
         self.tier = "+".join(t.tier for t in self.tiers)
-        self.prefetch_depth = max(t.prefetch_depth for t in self.tiers)
         self.stats = StoreStats()
+
+    @property
+    def prefetch_depth(self) -> int:
+        return max(t.prefetch_depth for t in self.tiers)
 
     def __contains__(self, key: str) -> bool:
         return any(key in t for t in self.tiers)
@@ -158,6 +125,11 @@ class LayeredStore:
     def discard(self, key: str) -> None:
         for tier in self.tiers:
             tier.discard(key)
+
+    def drop_page_cache(self) -> bool:
+        """Drop the page cache of every tier that keeps files; True if any did."""
+        dropped = [t.drop_page_cache() for t in self.tiers]
+        return any(dropped)
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -9,8 +9,10 @@ together, never one without the other)::
                 xxh3 checksums
         L{i}    layer i's stored tensors (``entry.stored_layer(i)``) as safetensors bytes
 
-``get`` reads the header only; ``RedisEntry.layer(i)`` fetches, verifies and decodes one layer
-(``decode_layer``), so the layer loader overlaps fetches with compute on its reader thread.
+``get`` reads the header only. The layer loader's reader thread calls ``fetch_layers(entries,
+i)``: layer ``i`` (and the next ``layers_per_fetch - 1``) of every entry of the query in one
+pipelined round trip, verified and parsed there, so a query costs about ``num_layers`` round
+trips, overlapped with compute. ``RedisEntry.layer(i)`` alone fetches one entry's layer.
 The store is a cache: a missing, evicted, foreign or corrupt entry and an unreachable server are
 misses (``CorruptEntryError`` from ``layer(i)`` mid-prefill: the engine discards and recomputes).
 Writes go through a background thread with a bounded queue, so ``put`` never waits for Redis.
@@ -24,23 +26,25 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-import torch
-import xxhash
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.store.base import ChunkKV, KVEntry, StoreStats
-from ragblend.store.quant import decode_layer
+from ragblend.store.base import KVEntry, StoreStats
+from ragblend.store.redis_entry import (
+    CHECKSUM,
+    FORMAT_VERSION,
+    HEADER,
+    RedisEntry,
+    checksum,
+    encode_entry,
+    layer_field,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 DEFAULT_PREFIX = "ragblend:kv"
-HEADER = "header"
-CHECKSUM = "xxh3_64"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _STOP = object()
 
@@ -54,107 +58,8 @@ def _redis():
     return redis
 
 
-def layer_field(index: int) -> str:
-    return f"L{index}"
-
-
-def encode_layer(tensors: dict[str, torch.Tensor]) -> bytes:
-    """One layer's stored tensors as safetensors bytes."""
-    return st_save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
-
-
-def checksum(blob: bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(blob)
-
-
-def encode_entry(key: str, kv: KVEntry) -> dict[str, bytes]:
-    """The hash fields of one entry: ``header`` and ``L{i}`` for every layer."""
-    fields, sums = {}, []
-    for i in range(kv.num_layers):
-        blob = encode_layer(kv.stored_layer(i))
-        fields[layer_field(i)] = blob
-        sums.append(checksum(blob))
-    header = {
-        "format": FORMAT_VERSION,
-        "key": key,
-        "meta": kv.meta,
-        "layers": kv.num_layers,
-        "tokens": kv.num_tokens,
-        "nbytes": kv.nbytes,
-        "checksum": CHECKSUM,
-        "sums": sums,
-        "created": time.time(),
-    }
-    fields[HEADER] = json.dumps(header, default=str).encode()
-    return fields
-
-
 class Unreachable(Exception):
     """The server could not be reached (or is inside its retry back-off)."""
-
-
-class RedisEntry:
-    """One entry in Redis, read layer by layer (each layer verified against the header)."""
-
-    def __init__(self, store: RedisStore, key: str, header: dict) -> None:
-        self._store = store
-        self.key = key
-        self.header = header
-        self.meta: dict = dict(header["meta"])
-        self._stored: dict[int, dict[str, torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.header["tokens"])
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.header["layers"])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.header["nbytes"])
-
-    def stored_layer(self, index: int) -> dict[str, torch.Tensor]:
-        """Layer ``index`` as stored (e.g. int8 + scales); fetched in one round trip."""
-        with self._lock:
-            if index not in self._stored:
-                self._fetch(index)
-            return self._stored[index]
-
-    def _fetch(self, index: int) -> None:
-        if not 0 <= index < self.num_layers:
-            raise IndexError(f"layer {index} of {self.num_layers}")
-        ahead = range(index, min(index + self._store.layers_per_fetch, self.num_layers))
-        wanted = [i for i in ahead if i not in self._stored]
-        try:
-            blobs = self._store._call(
-                lambda c: c.hmget(self._store.redis_key(self.key), [layer_field(i) for i in wanted])
-            )
-        except Unreachable:
-            raise CorruptEntryError(self.key, "the Redis server is unreachable") from None
-        for i, blob in zip(wanted, blobs):
-            if blob is None:
-                raise CorruptEntryError(self.key, f"layer {i} is gone (evicted or deleted)")
-            if checksum(blob) != self.header["sums"][i]:
-                self._store.drop(self.key, f"layer {i} fails its checksum")
-                raise CorruptEntryError(self.key, f"layer {i} fails its checksum")
-            try:
-                self._stored[i] = st_load(blob)
-            except Exception as exc:  # safetensors raises its own error types
-                self._store.drop(self.key, f"layer {i} is unreadable: {exc}")
-                raise CorruptEntryError(self.key, f"layer {i} is unreadable") from None
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute-dtype K and V of one layer, [kv_heads, tokens, head_dim]."""
-        return decode_layer(self.meta, self.stored_layer(index))
-
-    def materialize(self) -> ChunkKV:
-        layers = [self.layer(i) for i in range(self.num_layers)]
-        k = torch.stack([kv[0] for kv in layers])
-        v = torch.stack([kv[1] for kv in layers])
-        return ChunkKV(k, v, dict(self.meta))
 
 
 class RedisStore:
@@ -199,6 +104,7 @@ class RedisStore:
         self.write_errors = 0
         self.dropped_writes = 0
         self.bytes_written = 0
+        self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
         self.last_error: str | None = None
         self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
         self._redis_error = redis.exceptions.RedisError
@@ -297,6 +203,52 @@ class RedisStore:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("Redis KV entry %s… is unusable (%s): treated as a miss", key[:16], reason)
+
+    def fetch_layers(self, entries: Sequence[KVEntry], index: int) -> None:
+        """Fetch layer ``index`` (and the next ``layers_per_fetch - 1``) of every entry in one
+        pipelined round trip (one ``HMGET`` per entry), verified and parsed on the calling
+        thread (the layer loader's reader), so each ``entry.layer(index)`` is then local.
+
+        ``entries`` are this store's ``RedisEntry`` objects. Every entry of the batch is
+        checked (bad data is dropped from Redis) before ``CorruptEntryError`` names the first
+        that failed: an unreachable server, an entry evicted since its header was read, a
+        value that fails its checksum or does not parse.
+        """
+        wants = []
+        for entry in entries:
+            if not isinstance(entry, RedisEntry) or entry._store is not self:
+                raise TypeError(f"{entry!r} is not an entry of {self!r}")
+            wanted = entry._wanted(index)
+            if wanted:
+                wants.append((entry, wanted))
+        if not wants:
+            return
+
+        def read(c):
+            pipe = c.pipeline(transaction=False)
+            for entry, wanted in wants:
+                pipe.hmget(self.redis_key(entry.key), [layer_field(i) for i in wanted])
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(read)
+        except Unreachable:
+            raise CorruptEntryError(wants[0][0].key, "the Redis server is unreachable") from None
+        except self._redis_error as exc:
+            raise CorruptEntryError(wants[0][0].key, f"layer read failed: {exc}") from None
+        with self._state:
+            self.layer_round_trips += 1
+        first: CorruptEntryError | None = None
+        for (entry, wanted), reply in zip(wants, replies, strict=True):
+            try:
+                if isinstance(reply, Exception):  # e.g. WRONGTYPE: something else at our key
+                    self.drop(entry.key, f"unreadable: {reply}")
+                    raise CorruptEntryError(entry.key, f"unreadable: {reply}")
+                entry._accept(wanted, reply)
+            except CorruptEntryError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, kv: KVEntry) -> None:
