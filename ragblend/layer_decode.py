@@ -10,6 +10,7 @@ bookkeeping, output objects), which dominates decode time for small models on CP
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,10 @@ class LayerDecoder:
     """
 
     def __init__(
-        self, layers: LayerwiseModel, prompt_kv: list[tuple[torch.Tensor, ...]], capacity: int
+        self,
+        layers: LayerwiseModel,
+        prompt_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        capacity: int,
     ):
         self.layers = layers
         self.position = int(prompt_kv[0][0].shape[-2])

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ragblend.errors import RagblendError
 
@@ -57,7 +58,7 @@ class LlamaCppPeer:
         if not Path(gguf).is_file():
             raise RagblendError(f"GGUF not found: {gguf}")
         threads = threads or _torch_threads()
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             model_path=str(gguf),
             n_ctx=n_ctx,
             n_batch=setting.n_batch,

@@ -64,6 +64,7 @@ class RowAttentionPlan:
         contiguous = bool(pos) and pos[-1] - pos[0] + 1 == len(pos)
         self.causal_start = pos[0] if contiguous and sliding_window is None else None
         self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
+        self.num_keys = num_keys
         self.causal_only = self.causal_start is not None and num_keys == pos[-1] + 1
         if self.causal_only:
             return  # attend_rows takes the causal path for these keys: no masks needed
@@ -100,7 +101,7 @@ def attend_rows(
         )[:, :, start:]
         return out.transpose(1, 2).reshape(1, m, heads * dim)
     if plan.causal_only:
-        raise RagblendError(f"attention plan built for {start + m} keys, got {k.shape[2]}")
+        raise RagblendError(f"attention plan built for {plan.num_keys} keys, got {k.shape[2]}")
     q = q.reshape(1, kv_heads, groups, m, dim)
     outs = []
     for a, b, start, end, bias in plan.blocks:

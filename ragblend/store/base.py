@@ -145,8 +145,11 @@ class KVStore(Protocol):
     stats: StoreStats
     #: short name of the tier ("ram", "disk", "tiered", ...), recorded in benchmark settings
     tier: str
-    #: layers the layer loader may read ahead on a reader thread (0: entries are in memory)
-    prefetch_depth: int
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Layers the layer loader may read ahead on a reader thread (0: entries in memory)."""
+        ...
 
     def get(self, key: str) -> KVEntry | None:
         """The entry, or None on a miss (never a partial or foreign entry)."""
