@@ -33,6 +33,7 @@ from ragblend.bench.metrics import kl_divergence
 
 RELEVANCE_KV = {"selector": "relevance-kv"}
 STARTS = {"chunk_start_tokens": 16}
+HOT = {"cached_temperature": 1.1}
 
 
 def variants(which: str) -> list[Variant]:
@@ -41,6 +42,24 @@ def variants(which: str) -> list[Variant]:
     if which == "smoke":
         return out + [Variant("kv r=0.15", "blend", {"ratio": 0.15})]
     r = 0.15
+    if which == "followup":  # temperature × relevance, after the grid's best two options
+        return out + [
+            Variant("kv r=0.15 (default)", "blend", {"ratio": r}),
+            Variant("kv T=1.2 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.2}),
+            Variant("kv T=1.3 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.3}),
+            Variant("relevance-kv T=1.1 r=0.15", "blend", {"ratio": r, **RELEVANCE_KV, **HOT}),
+            Variant(
+                "relevance-kv T=1.2 r=0.15",
+                "blend",
+                {"ratio": r, **RELEVANCE_KV, "cached_temperature": 1.2},
+            ),
+            Variant(
+                "relevance-kv+starts16 T=1.1 r=0.15",
+                "blend",
+                {"ratio": r, **RELEVANCE_KV, **STARTS, **HOT},
+            ),
+            Variant("relevance-kv T=1.1 r=0.1", "blend", {"ratio": 0.1, **RELEVANCE_KV, **HOT}),
+        ]
     out += [
         Variant("kv r=0.15 (default)", "blend", {"ratio": r}),
         Variant("kv r=0.25", "blend", {"ratio": 0.25}),
@@ -124,7 +143,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--which", default="grid", choices=("grid", "smoke"))
+    ap.add_argument("--which", default="grid", choices=("grid", "followup", "smoke"))
+    ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
@@ -149,10 +169,10 @@ def main() -> None:
             "n": len(rows),
             "torch_threads": torch.get_num_threads(),
         }
-        (out / "quality_sweep.json").write_text(json.dumps(results, indent=2))
-        (out / "quality_sweep.md").write_text(table(results))
+        (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+        (out / f"{args.name}.md").write_text(table(results))
         print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
-    plot(results, out / "quality_sweep.png")
+    plot(results, out / f"{args.name}.png")
     print(table(results))
 
 
