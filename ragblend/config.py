@@ -29,6 +29,15 @@ class BlendConfig:
         at the last check layer are recomputed on all later layers.
     selector: name of a registered token selector (``kv-deviation``).
     deviation: which cached tensor the deviation is measured on: ``"k"``, ``"v"`` or ``"kv"``.
+    chunk_start_tokens: the first k tokens of every cached chunk are always recomputed (kept at
+        every check layer, within the budget when it allows; EPIC's per-chunk attention sinks).
+        0: off. Combines with any selector.
+    cached_temperature: attention logits to rows still served from the cache (not recomputed
+        on that layer) are divided by this temperature during the fused prefill (APE); the
+        KV kept for decoding is unchanged. 1.0: off.
+    adaptive_mass: instead of a fixed ratio, a check layer keeps the fewest top-scored rows
+        covering this share of the selector's score mass, clamped to ``adaptive_ratio``
+        (min, max) × the check layer's scale. ``None``: off (the fixed ``ratio``).
     namespace: tenant salt mixed into every chunk and prefix key (``None``: no tenant). Set by
         the server side that builds the engine; tenants never hit each other's entries.
     kv_dtype: storage dtype of chunk KV, independent of the compute dtype: ``"auto"`` (the
@@ -47,6 +56,10 @@ class BlendConfig:
     check_scales: tuple[float, ...] | None = (1.5, 0.7)
     selector: str = "kv-deviation"
     deviation: Literal["k", "v", "kv"] = "kv"
+    chunk_start_tokens: int = 0
+    cached_temperature: float = 1.0
+    adaptive_mass: float | None = None
+    adaptive_ratio: tuple[float, float] = (0.05, 0.3)
     # Template-independent by default: a chunk warmed once hits under any template or system
     # prompt, at +2.8 % blend answer KL vs the exact head (benchmarks/context_choice.py).
     precompute_context: PrecomputeContext = "canonical"
@@ -78,6 +91,7 @@ class BlendConfig:
                 )
         if self.deviation not in ("k", "v", "kv"):
             raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
+        check_selection_options(self)
         if self.kv_dtype not in KV_DTYPES:
             raise RagblendError(
                 f"unknown kv_dtype {self.kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}"
@@ -98,6 +112,31 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise RagblendError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     return mode
+
+
+def check_selection_options(config: BlendConfig) -> None:
+    """A RagblendError naming the first invalid selection option of ``config``."""
+    k = config.chunk_start_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise RagblendError(f"chunk_start_tokens must be an integer >= 0, got {k!r}")
+    t = config.cached_temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise RagblendError(f"cached_temperature must be a number > 0, got {t!r}")
+    mass = config.adaptive_mass
+    if mass is not None and (
+        isinstance(mass, bool) or not isinstance(mass, (int, float)) or not 0 < mass <= 1
+    ):
+        raise RagblendError(f"adaptive_mass must be None or a number in (0, 1], got {mass!r}")
+    bounds = config.adaptive_ratio
+    if (
+        not isinstance(bounds, (tuple, list))
+        or len(bounds) != 2
+        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+        or not 0 <= bounds[0] <= bounds[1] <= 1
+    ):
+        raise RagblendError(
+            f"adaptive_ratio must be (min, max) with 0 <= min <= max <= 1, got {bounds!r}"
+        )
 
 
 def check_ratio(ratio: object) -> None:

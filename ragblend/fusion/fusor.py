@@ -10,6 +10,12 @@ import torch
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.rows import PromptRows, prompt_rows
+from ragblend.fusion.selection import (
+    cached_key_temper,
+    choose_rows,
+    last_observed_layer,
+    observe,
+)
 from ragblend.fusion.selectors import CheckLayer, TokenSelector
 from ragblend.fusion.trace import FusionTrace
 from ragblend.models.adapters import LayerwiseModel
@@ -81,6 +87,8 @@ def fuse(
     rows_per_layer: list[int] = []
     groups = model.num_heads // model.num_kv_heads
     plans: dict[int | None, RowAttentionPlan] = {}
+    watched, memory = last_observed_layer(selector, checks), {}  # multi-layer selectors
+    temper = cached_key_temper(selector, rows)
     for layer, k_cached, v_cached in layers:
         # project
         proj = model.project(layer, hidden, cos, sin)
@@ -88,16 +96,19 @@ def fuse(
             trace.projected(layer, proj, active)
         # select (scores compare fresh rows with the still-unmodified pre-RoPE cache)
         keep = None
-        if layer in checks:
+        computed = active
+        if layer in checks or layer <= watched:
             k_full = model.rotate(k_cached, cos_all, sin_all)
             check = CheckLayer.build(
-                layer, proj, k_cached, v_cached, k_full, active, rows, model.scaling(layer)
+                layer, proj, k_cached, v_cached, k_full, active, rows, model.scaling(layer), memory
             )
+            observe(selector, check)
+        else:  # the loader's tensors are this request's own: rotate them in place
+            k_full = model.rotate_(k_cached, cos_all, sin_all)
+        if layer in checks:
             keep, scores = select_rows(
                 selector, check, rows.forced[active], checks[layer], rows.num_approx
             )
-        else:  # the loader's tensors are this request's own: rotate them in place
-            k_full = model.rotate_(k_cached, cos_all, sin_all)
         # write fresh K/V: every active row gets them on this layer
         k_full.index_copy_(2, active, proj.k)
         v_cached.index_copy_(2, active, proj.v)
@@ -115,7 +126,8 @@ def fuse(
         plan = plans.get(window)
         if plan is None:
             plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window, rows.n)
-        attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
+        k_attn = k_full if temper is None else temper(k_full, computed)
+        attn = attend_rows(q, k_attn, v_cached, plan, model.scaling(layer))
         # finish
         hidden = model.finish(layer, hidden, attn)
         keys.append(k_full)
@@ -154,7 +166,7 @@ def select_rows(
     else:
         s = selector.scores(check)
         scores[free] = s.float()
-        chosen = free[torch.topk(s, budget).indices] if budget > 0 else free[:0]
+        chosen = free[choose_rows(selector, check, s, budget)]
     keep = torch.cat([is_forced.nonzero().squeeze(1), chosen]).sort().values
     return keep, scores
 

@@ -29,7 +29,8 @@ class PromptRows:
     ``cached``/``exact``/``forced`` are bool [N]: a row has stored KV; its KV equals full
     prefill (exact prefix cache, never recomputed); it must be recomputed (no cache, or the
     last row, whose logits give the first token). ``candidates`` [C] are the positions that may
-    be recomputed (not exact), ascending. ``question_start`` is the first row of the uncached
+    be recomputed (not exact), ascending. ``offsets`` [N] is each row's index within its
+    segment (0 at a chunk's first token). ``question_start`` is the first row of the uncached
     tail (what query-aware selectors ask about); ``num_approx`` counts cached, non-exact rows
     (the budget base of a recompute ratio).
     """
@@ -41,6 +42,7 @@ class PromptRows:
     candidates: torch.Tensor
     question_start: int
     num_approx: int
+    offsets: torch.Tensor
 
     @property
     def n(self) -> int:
@@ -53,10 +55,12 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
     n = ids.numel()
     cached = torch.zeros(n, dtype=torch.bool, device=device)
     exact = torch.zeros(n, dtype=torch.bool, device=device)
+    offsets = torch.zeros(n, dtype=torch.long, device=device)
     start = 0
     for seg in segments:
         cached[start : start + len(seg)] = seg.kv is not None
         exact[start : start + len(seg)] = seg.kv is not None and seg.exact
+        offsets[start : start + len(seg)] = torch.arange(len(seg), device=device)
         start += len(seg)
     forced = ~cached
     forced[n - 1] = True
@@ -70,4 +74,5 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
         candidates=(~exact).nonzero().squeeze(1),
         question_start=question_start,
         num_approx=int((cached & ~exact).sum()),
+        offsets=offsets,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -22,7 +22,9 @@ class CheckLayer:
 
     ``candidates`` are local indices into ``active`` (the rows computed on this layer) that
     have a cached KV and may be chosen (not forced); the properties give their fresh and cached
-    pre-RoPE K and V, [1, kv_heads, m, head_dim].
+    pre-RoPE K and V, [1, kv_heads, m, head_dim]. ``prompt`` is the prompt's row bookkeeping;
+    ``memory`` is one fused prefill's scratch space, shared by the layers a selector observes
+    (multi-layer signals), empty at the start of every prefill.
     """
 
     layer: int
@@ -34,6 +36,8 @@ class CheckLayer:
     tail_start: int  # first position of the question (uncached tail)
     scaling: float
     candidates: torch.Tensor  # local indices into ``active`` that may be chosen
+    prompt: PromptRows | None = None
+    memory: dict = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -46,11 +50,22 @@ class CheckLayer:
         active: torch.Tensor,
         rows: PromptRows,
         scaling: float,
+        memory: dict | None = None,
     ) -> CheckLayer:
         """The check layer for rows ``active`` of a prompt with ``rows``."""
         candidates = (~rows.forced[active]).nonzero().squeeze(1)
         return cls(
-            layer, proj, cached_k, cached_v, keys, active, rows.question_start, scaling, candidates
+            layer,
+            proj,
+            cached_k,
+            cached_v,
+            keys,
+            active,
+            rows.question_start,
+            scaling,
+            candidates,
+            rows,
+            {} if memory is None else memory,
         )
 
     @property
@@ -80,6 +95,10 @@ class CheckLayer:
         where computed on this layer, cached elsewhere), softmax over those keys, averaged
         over heads and question rows.
         """
+        return self.question_attention_by_position()[self.rows]
+
+    def question_attention_by_position(self) -> torch.Tensor:
+        """:meth:`question_attention` for every position before the question, [tail_start]."""
         q = self.proj.q
         tail = int((self.active >= self.tail_start).sum())
         heads, dim = q.shape[1], q.shape[3]
@@ -89,7 +108,7 @@ class CheckLayer:
         keys[:, :, self.active[computed]] = self.proj.k[:, :, computed]
         qt = q[:, :, q.shape[2] - tail :].reshape(1, kv_heads, (heads // kv_heads) * tail, dim)
         probs = torch.softmax((qt.float() @ keys.float().transpose(-1, -2)) * self.scaling, -1)
-        return probs.mean(dim=(0, 1, 2))[self.rows]
+        return probs.mean(dim=(0, 1, 2))
 
 
 class TokenSelector(Protocol):
@@ -154,6 +173,59 @@ class DeviationTimesAttentionSelector(KVDeviationSelector):
         return super().scores(check) * (attention / attention.mean().clamp_min(1e-12))
 
 
+class QuestionRelevanceSelector:
+    """Question attention fused over every layer up to the check layer (ProphetKV / A³-like).
+
+    The fusor shows the selector every layer from 0 to its last check layer (``observe``): on
+    each, the question rows' fresh post-RoPE queries attend over the keys before the question
+    (fresh where computed on that layer, cached elsewhere). The per-position attention is
+    summed over the layers seen so far, so a check layer ranks rows by the relevance the
+    question has shown them on all earlier layers, not on one layer alone.
+    """
+
+    name = "relevance"
+
+    def observe(self, check: CheckLayer) -> None:
+        seen: set[int] = check.memory.setdefault("relevance_layers", set())
+        if check.layer in seen:
+            return
+        seen.add(check.layer)
+        attention = check.question_attention_by_position()
+        total = check.memory.get("relevance")
+        check.memory["relevance"] = attention if total is None else total + attention
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        self.observe(check)
+        return check.memory["relevance"][check.rows]
+
+
+class RelevanceKVSelector(KVDeviationSelector):
+    """Multi-layer question relevance combined with the check layer's KV deviation.
+
+    ``combine="rank"`` adds the two rankings (each rank / m, so neither scale dominates);
+    ``"product"`` multiplies relevance (normalised to mean 1) by the deviation.
+    """
+
+    name = "relevance-kv"
+
+    def __init__(self, deviation: str = "kv", combine: str = "rank") -> None:
+        super().__init__(deviation)
+        if combine not in ("rank", "product"):
+            raise RagblendError(f"combine must be 'rank' or 'product', got {combine!r}")
+        self.combine = combine
+        self.relevance = QuestionRelevanceSelector()
+
+    def observe(self, check: CheckLayer) -> None:
+        self.relevance.observe(check)
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        relevance = self.relevance.scores(check).float()
+        deviation = super().scores(check)
+        if self.combine == "product":
+            return deviation * (relevance / relevance.mean().clamp_min(1e-12))
+        return _ranks(relevance) + _ranks(deviation)
+
+
 class RandomSelector:
     """Uniformly random rows: the control that shows deviation-based selection matters."""
 
@@ -174,6 +246,14 @@ def _squared_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return d / d.mean().clamp_min(1e-12)
 
 
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of each score in [0, 1): 0 for the lowest, (m-1)/m for the highest."""
+    order = torch.argsort(scores)
+    ranks = torch.empty_like(scores, dtype=torch.float32)
+    ranks[order] = torch.arange(scores.numel(), device=scores.device, dtype=torch.float32)
+    return ranks / max(1, scores.numel())
+
+
 def _relative_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = a.float(), b.float()
     return (a - b).pow(2).sum(dim=(0, 1, 3)) / b.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
@@ -187,6 +267,9 @@ SELECTORS: dict[str, SelectorFactory] = {
     "attention": lambda config: QuestionAttentionSelector(),
     "kv-attention": lambda config: DeviationTimesAttentionSelector(config.deviation),
     "random": lambda config: RandomSelector(),
+    "relevance": lambda config: QuestionRelevanceSelector(),
+    "relevance-kv": lambda config: RelevanceKVSelector(config.deviation, "rank"),
+    "relevance-kv-product": lambda config: RelevanceKVSelector(config.deviation, "product"),
 }
 
 
@@ -196,11 +279,17 @@ def register_selector(name: str, factory: SelectorFactory) -> None:
 
 
 def make_selector(config: BlendConfig) -> TokenSelector:
-    """The selector ``config.selector`` names, built from ``config``."""
+    """The selector ``config.selector`` names, built from ``config``.
+
+    With a selection option on (chunk starts, adaptive ratio, cached-row temperature) it comes
+    wrapped in a :class:`~ragblend.fusion.selection.SelectionPolicy` that applies them.
+    """
     try:
         factory = SELECTORS[config.selector]
     except KeyError:
         raise RagblendError(
             f"unknown selector {config.selector!r}; available: {', '.join(SELECTORS)}"
         ) from None
-    return factory(config)
+    from ragblend.fusion.selection import SelectionPolicy
+
+    return SelectionPolicy.wrap(factory(config), config)

@@ -1,0 +1,230 @@
+"""Selection options × ratio against full prefill (issue 14), same protocol as sweep.py.
+
+Every variant runs on the same questions, interleaved, scored by fidelity to full prefill
+(teacher-forced answer KL over full prefill's greedy answer, first-token KL, answer agreement)
+and TTFT speedup (median of per-question ratios of tokenize + prefill time). Writes
+``OUT/quality_sweep.{json,png,md}`` after every question: the table with KL relative to full
+KV reuse, and answer KL / reuse vs speedup with the Pareto front.
+
+Agreement is exact greedy agreement computed by teacher forcing: a variant's greedy answer
+equals full prefill's iff its argmax after every prefix of that answer is the answer's next
+token (and EOS after the whole answer, when the answer ended there). That is one forward pass
+instead of a token-by-token decode per variant — what makes a 20-question grid fit a shared
+2-core CPU — and it is stricter than sweep.py's normalised-text agreement.
+
+    python benchmarks/quality_sweep.py --dataset ../shared/data/musique_dev.json \\
+        --offset 20 --limit 20 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ragblend import BlendEngine
+from ragblend.bench.datasets import load_cases
+from ragblend.bench.harness import Variant
+from ragblend.bench.metrics import kl_divergence
+
+RELEVANCE_KV = {"selector": "relevance-kv"}
+STARTS = {"chunk_start_tokens": 16}
+HOT = {"cached_temperature": 1.1}
+
+
+def variants(which: str) -> list[Variant]:
+    """The grid: baselines, then each option alone, then combinations."""
+    out = [Variant("full", "full"), Variant("reuse", "reuse")]
+    if which == "smoke":
+        return out + [Variant("kv r=0.15", "blend", {"ratio": 0.15})]
+    r = 0.15
+    if which == "followup":  # temperature × relevance, after the grid's best two options
+        return out + [
+            Variant("kv r=0.15 (default)", "blend", {"ratio": r}),
+            Variant("kv T=1.2 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.2}),
+            Variant("kv T=1.3 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.3}),
+            Variant("relevance-kv T=1.1 r=0.15", "blend", {"ratio": r, **RELEVANCE_KV, **HOT}),
+            Variant(
+                "relevance-kv T=1.2 r=0.15",
+                "blend",
+                {"ratio": r, **RELEVANCE_KV, "cached_temperature": 1.2},
+            ),
+            Variant(
+                "relevance-kv+starts16 T=1.1 r=0.15",
+                "blend",
+                {"ratio": r, **RELEVANCE_KV, **STARTS, **HOT},
+            ),
+            Variant("relevance-kv T=1.1 r=0.1", "blend", {"ratio": 0.1, **RELEVANCE_KV, **HOT}),
+        ]
+    out += [
+        Variant("kv r=0.15 (default)", "blend", {"ratio": r}),
+        Variant("kv r=0.25", "blend", {"ratio": 0.25}),
+        Variant("starts16 only (r=0)", "blend", {"ratio": 0.0, **STARTS}),
+        Variant("kv+starts16 r=0.15", "blend", {"ratio": r, **STARTS}),
+        Variant("relevance r=0.15", "blend", {"ratio": r, "selector": "relevance"}),
+        Variant("relevance-kv r=0.15", "blend", {"ratio": r, **RELEVANCE_KV}),
+        Variant("relevance-kv+starts16 r=0.15", "blend", {"ratio": r, **RELEVANCE_KV, **STARTS}),
+        Variant("relevance-kv+starts16 r=0.1", "blend", {"ratio": 0.1, **RELEVANCE_KV, **STARTS}),
+        Variant("kv T=0.9 r=0.15", "blend", {"ratio": r, "cached_temperature": 0.9}),
+        Variant("kv T=1.1 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.1}),
+        Variant(
+            "kv adaptive 0.4 [.05,.3]",
+            "blend",
+            {"ratio": r, "adaptive_mass": 0.4, "adaptive_ratio": (0.05, 0.3)},
+        ),
+    ]
+    return out
+
+
+def table(results: dict) -> str:
+    """Markdown table: speedup, recomputed share, KL and KL relative to reuse, agreement."""
+    modes, speedup = results["modes"], results["speedup_vs_full"]
+    reuse = modes["reuse"]
+    lines = [
+        "| variant | speedup | recomputed | answer KL | ans KL / reuse | 1st-token KL "
+        "| 1st KL / reuse | agreement |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in modes.items():
+        a, f = m["answer_kl_mean"], m["first_token_kl_mean"]
+        lines.append(
+            f"| {name} | {speedup.get(name, 1.0):.2f}× | {m['recomputed_fraction_mean']:.3f} "
+            f"| {a:.4f} | {a / reuse['answer_kl_mean']:.2f} | {f:.4f} "
+            f"| {f / reuse['first_token_kl_mean']:.2f} | {m['agreement_with_full']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def pareto(points: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """Points (name, speedup, KL) not beaten by another with higher speedup and lower KL."""
+    front, best = [], float("inf")
+    for p in sorted(points, key=lambda p: -p[1]):
+        if p[2] < best:
+            front.append(p)
+            best = p[2]
+    return front
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes, speedup = results["modes"], results["speedup_vs_full"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key in zip(axes, ("answer_kl_mean", "first_token_kl_mean")):
+        base = modes["reuse"][key]
+        points = [(n, speedup[n], m[key] / base) for n, m in modes.items() if n != "full"]
+        for name, x, y in points:
+            marker = "^" if name == "reuse" else ("s" if name.startswith("kv r=") else "o")
+            ax.scatter(x, y, marker=marker)
+            ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        front = sorted(pareto(points), key=lambda p: p[1])
+        ax.plot([p[1] for p in front], [p[2] for p in front], "k--", lw=0.8, label="Pareto front")
+        ax.set(xlabel="TTFT speedup vs full (shared 2-core CPU)", ylabel=f"{key} / reuse's")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("selection options: fidelity to full prefill vs TTFT (lower-right is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--offset", type=int, default=20, help="skip the first N questions")
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--which", default="grid", choices=("grid", "followup", "smoke"))
+    ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype)
+    cases = load_cases(
+        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
+    )[args.offset :]
+    grid = variants(args.which)
+    views = {v.name: engine.with_config(**v.overrides) for v in grid}
+    rows: list[dict[str, dict]] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, case in enumerate(cases):
+        t0 = time.perf_counter()
+        engine.precompute(case.chunks)
+        rows.append(measure_case(engine, views, grid, case, args.max_new_tokens))
+        results = summarize(rows)
+        results["settings"] = {
+            **vars(args),
+            "n": len(rows),
+            "torch_threads": torch.get_num_threads(),
+        }
+        (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+        (out / f"{args.name}.md").write_text(table(results))
+        print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
+    plot(results, out / f"{args.name}.png")
+    print(table(results))
+
+
+def measure_case(engine, views, grid, case, max_new_tokens: int) -> dict[str, dict]:
+    """One question: every variant's TTFT and fidelity to full prefill (full first)."""
+    records: dict[str, dict] = {}
+    reference = None
+    for v in grid:
+        view = views[v.name]
+        start = time.perf_counter()
+        prompt = view.tokenize(case.question, case.chunks)
+        pre = view.prefill(prompt, v.mode)
+        ttft_ms = (time.perf_counter() - start) * 1000
+        if reference is None:
+            ids = engine.greedy_answer(pre, max_new_tokens)
+            ended = len(ids) < max_new_tokens
+            forced = ids + [min(engine.eos_ids)] if ended else ids
+            reference = (pre.logits, ids, ended, engine.teacher_forced_logits(pre, forced))
+        ref_logits, ids, ended, ref_tf = reference
+        forced = ids + [min(engine.eos_ids)] if ended else ids
+        tf = engine.teacher_forced_logits(pre, forced)
+        n = len(ids)
+        agrees = bool((tf[:n].argmax(-1) == torch.tensor(ids)).all())
+        if ended:
+            agrees = agrees and int(tf[n].argmax()) in engine.eos_ids
+        records[v.name] = {
+            "ttft_ms": ttft_ms,
+            "first_token_kl": float(kl_divergence(ref_logits, pre.logits)),
+            "answer_kl": float(kl_divergence(ref_tf[:n], tf[:n]).mean()) if n else 0.0,
+            "agrees": agrees,
+            "recomputed_fraction": pre.stats.recomputed_fraction,
+        }
+        del pre
+    return records
+
+
+def summarize(rows: list[dict[str, dict]]) -> dict:
+    """Per-variant means (speedup: median of per-question TTFT ratios to full)."""
+    modes, speedup = {}, {}
+    for name in rows[0]:
+        recs = [r[name] for r in rows]
+        modes[name] = {
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in recs),
+            "answer_kl_mean": statistics.fmean(r["answer_kl"] for r in recs),
+            "first_token_kl_mean": statistics.fmean(r["first_token_kl"] for r in recs),
+            "agreement_with_full": statistics.fmean(float(r["agrees"]) for r in recs),
+            "recomputed_fraction_mean": statistics.fmean(r["recomputed_fraction"] for r in recs),
+            "n": len(recs),
+        }
+        speedup[name] = statistics.median(r["full"]["ttft_ms"] / r[name]["ttft_ms"] for r in rows)
+    return {"modes": modes, "speedup_vs_full": speedup, "per_question": rows}
+
+
+if __name__ == "__main__":
+    main()

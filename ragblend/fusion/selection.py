@@ -1,0 +1,171 @@
+"""Selection options around any token selector: chunk starts, adaptive ratio, temperature.
+
+The fusor asks three things of a selector beyond its scores, each through a function here so
+that a plain selector (scores only) keeps working unchanged:
+
+- :func:`observe`: selectors with multi-layer signals see every layer up to the last check
+  layer (:class:`LayerObserver`);
+- :func:`choose_rows`: which candidates a check layer keeps for a row budget (top-k unless a
+  :class:`SelectionPolicy` says otherwise);
+- :func:`cached_key_temper`: the keys attention uses on a layer, with the rows still served
+  from the cache tempered (APE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from ragblend.fusion.selectors import CheckLayer, TokenSelector
+
+if TYPE_CHECKING:
+    from ragblend.config import BlendConfig
+    from ragblend.fusion.rows import PromptRows
+
+
+@runtime_checkable
+class LayerObserver(Protocol):
+    """A selector that wants to see every layer up to the last check layer, not only them."""
+
+    def observe(self, check: CheckLayer) -> None:
+        """Record what later check layers need (in ``check.memory``)."""
+
+
+def observe(selector: TokenSelector | None, check: CheckLayer) -> None:
+    """Show ``check`` to ``selector`` if it observes layers."""
+    if isinstance(selector, LayerObserver):
+        selector.observe(check)
+
+
+def last_observed_layer(selector: TokenSelector | None, check_layers: Iterable[int]) -> int:
+    """The last layer the fusor must show ``selector`` (-1: only its check layers)."""
+    if not isinstance(selector, LayerObserver):
+        return -1
+    return max(check_layers, default=-1)
+
+
+def top_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Indices of the ``budget`` highest ``scores`` [m] (empty for a budget of 0)."""
+    if budget <= 0:
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
+    return torch.topk(scores, min(budget, scores.numel())).indices
+
+
+def choose_rows(
+    selector: TokenSelector, check: CheckLayer, scores: torch.Tensor, budget: int
+) -> torch.Tensor:
+    """Local indices into ``check.candidates`` a check layer keeps, given ``scores`` [m]."""
+    if isinstance(selector, SelectionPolicy):
+        return selector.choose(check, scores, budget)
+    return top_rows(scores, budget)
+
+
+def cached_key_temper(
+    selector: TokenSelector | None, rows: PromptRows
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """A function (keys [1, Hkv, N, d] post-RoPE, rows computed on this layer) → the keys
+    attention should use, or ``None`` when no temperature is set.
+
+    Rows with a non-exact cache that were not computed on the layer get their keys divided by
+    the temperature T: every query's logit to them is scaled by 1/T (APE). The returned tensor
+    is a new one; the keys kept for decoding stay the model's.
+    """
+    if not isinstance(selector, SelectionPolicy) or selector.cached_temperature == 1.0:
+        return None
+    approximate = rows.cached & ~rows.exact
+    inverse = 1.0 / selector.cached_temperature
+
+    def temper(keys: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
+        stale = approximate.clone()
+        stale[computed] = False
+        factor = torch.where(stale, inverse, 1.0).to(keys.dtype)
+        return keys * factor.view(1, 1, -1, 1)
+
+    return temper
+
+
+class SelectionPolicy:
+    """A selector with the selection options of a :class:`BlendConfig` applied around it.
+
+    chunk_start_tokens: the first k rows of every cached chunk (the per-chunk attention sinks
+        that independent precompute creates; EPIC) are always kept at every check layer —
+        inside the row budget when it is large enough, on top of it otherwise.
+    adaptive_mass: instead of the scheduled budget, keep the fewest top-scored rows whose
+        scores cover this share of the candidates' score mass, clamped to ``adaptive_ratio``
+        × the check layer's scale × the cached rows.
+    cached_temperature: see :func:`cached_key_temper`.
+    """
+
+    def __init__(
+        self,
+        inner: TokenSelector,
+        *,
+        chunk_start_tokens: int = 0,
+        adaptive_mass: float | None = None,
+        adaptive_ratio: tuple[float, float] = (0.05, 0.3),
+        check_scales: dict[int, float] | None = None,
+        cached_temperature: float = 1.0,
+    ) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.chunk_start_tokens = chunk_start_tokens
+        self.adaptive_mass = adaptive_mass
+        self.adaptive_ratio = adaptive_ratio
+        self.check_scales = check_scales or {}
+        self.cached_temperature = cached_temperature
+
+    @classmethod
+    def wrap(cls, inner: TokenSelector, config: BlendConfig) -> TokenSelector:
+        """``inner`` wrapped with ``config``'s options, or ``inner`` itself when none is on."""
+        if (
+            not config.chunk_start_tokens
+            and config.adaptive_mass is None
+            and config.cached_temperature == 1.0
+        ):
+            return inner
+        scales = config.check_scales or (1.0,) * len(config.check_layers)
+        return cls(
+            inner,
+            chunk_start_tokens=config.chunk_start_tokens,
+            adaptive_mass=config.adaptive_mass,
+            adaptive_ratio=tuple(config.adaptive_ratio),
+            check_scales=dict(zip(config.check_layers, scales)),
+            cached_temperature=config.cached_temperature,
+        )
+
+    def observe(self, check: CheckLayer) -> None:
+        observe(self.inner, check)
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        return self.inner.scores(check)
+
+    def chunk_starts(self, check: CheckLayer) -> torch.Tensor:
+        """Bool [m]: which candidates are among the first k rows of their chunk."""
+        if not self.chunk_start_tokens or check.prompt is None:
+            return torch.zeros(check.candidates.numel(), dtype=torch.bool, device=check.rows.device)
+        return check.prompt.offsets[check.rows] < self.chunk_start_tokens
+
+    def adaptive_budget(self, check: CheckLayer, scores: torch.Tensor) -> int:
+        """Rows whose scores cover ``adaptive_mass`` of the total, clamped to the ratio range."""
+        scale = self.check_scales.get(check.layer, 1.0)
+        base = check.prompt.num_approx if check.prompt is not None else scores.numel()
+        low, high = (round(r * scale * base) for r in self.adaptive_ratio)
+        mass = scores.float().clamp_min(0).sort(descending=True).values
+        total = float(mass.sum())
+        if total > 0:
+            covered = torch.cumsum(mass, 0) / total
+            needed = int(torch.searchsorted(covered, float(self.adaptive_mass))) + 1
+        else:
+            needed = low
+        return max(0, min(scores.numel(), high, max(low, needed)))
+
+    def choose(self, check: CheckLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Local indices into ``check.candidates``: the chunk starts, then the best others."""
+        if self.adaptive_mass is not None:
+            budget = self.adaptive_budget(check, scores)
+        starts = self.chunk_starts(check)
+        rest = scores.float().masked_fill(starts, float("-inf"))
+        others = top_rows(rest, min(budget - int(starts.sum()), int((~starts).sum())))
+        return torch.cat([starts.nonzero().squeeze(1), others])

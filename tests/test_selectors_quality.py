@@ -1,0 +1,249 @@
+"""Selection options beyond KV deviation: chunk starts, relevance, temperature, adaptive."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from helpers import assert_matches_hf, engine_for, hf_forward
+
+from ragblend import BlendConfig
+from ragblend.errors import RagblendError
+from ragblend.fusion.fusor import fuse
+from ragblend.fusion.rows import prompt_rows
+from ragblend.fusion.selection import SelectionPolicy, cached_key_temper
+from ragblend.fusion.selectors import QuestionRelevanceSelector, RandomSelector
+from ragblend.fusion.trace import SelectionTrace
+
+ATOL = 1e-4
+EVERY_OPTION = dict(
+    selector="relevance-kv",
+    chunk_start_tokens=4,
+    cached_temperature=1.3,
+    adaptive_mass=0.6,
+    adaptive_ratio=(0.05, 0.5),
+)
+
+
+def _fused(engine, selector=None, ratio=None, trace=None):
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    segments, _ = engine.chunks.lookup(prompt)
+    ratio = engine.config.ratio if ratio is None else ratio
+    out = fuse(
+        engine.layers,
+        segments,
+        engine.chunks.loader(segments),
+        engine.config.schedule(ratio),
+        selector or engine.selector,
+        trace=trace,
+    )
+    return out, segments
+
+
+def _chunk_starts(segments, k: int) -> set[int]:
+    starts, pos = set(), 0
+    for seg in segments:
+        if seg.kind == "chunk" and seg.kv is not None:
+            starts |= set(range(pos, pos + min(k, len(seg))))
+        pos += len(seg)
+    return starts
+
+
+@pytest.mark.parametrize("selector", ["random", "kv-deviation", "relevance"])
+@pytest.mark.parametrize("ratio", [0.0, 0.1])
+def test_chunk_starts_are_recomputed_on_every_layer_after_each_check_layer(
+    tokenizer, selector, ratio
+):
+    k = 3
+    engine = engine_for(
+        tiny_model("llama", num_hidden_layers=4),
+        tokenizer,
+        selector=selector,
+        chunk_start_tokens=k,
+        check_layers=(0, 2),
+        check_scales=(2.0, 1.0),
+    )
+    engine.precompute(CHUNKS)
+    trace = SelectionTrace()
+    out, segments = _fused(engine, ratio=ratio, trace=trace)
+    starts = _chunk_starts(segments, k)
+    assert len(starts) == k * len(CHUNKS)
+    rows = prompt_rows(segments, "cpu")
+    forced = int(rows.forced.sum())
+    for layer, scale in ((0, 2.0), (2, 1.0)):
+        kept = set(trace.selections[layer].tolist())
+        assert starts <= kept
+        budget = round(ratio * scale * rows.num_approx)
+        assert len(kept) == forced + max(budget, len(starts))
+    assert starts <= set(out.selected.tolist())
+    assert out.rows_per_layer[3] == out.selected.numel()
+
+
+def test_relevance_scores_are_hf_question_attention_summed_up_to_the_check_layer(tokenizer):
+    """Before the first check layer every row is fresh, so the fused question attention equals
+    HF's eager attention of the question rows, renormalised over the keys before them."""
+    model = tiny_model("llama", num_hidden_layers=3, attn_implementation="eager")
+    engine = engine_for(
+        model, tokenizer, selector="relevance", check_layers=(1,), check_scales=None, ratio=0.2
+    )
+    engine.precompute(CHUNKS)
+    trace = SelectionTrace()
+    _, segments = _fused(engine, trace=trace)
+    rows = prompt_rows(segments, "cpu")
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    with torch.inference_mode():
+        attentions = model(torch.tensor([prompt.ids]), output_attentions=True).attentions
+    qs = rows.question_start
+    expected = torch.zeros(qs)
+    for layer in (0, 1):
+        a = attentions[layer][0, :, qs:, :qs].float()
+        expected += (a / a.sum(-1, keepdim=True)).mean(dim=(0, 1))
+    free = ~rows.forced[rows.candidates]
+    got = trace.scores[1][free]
+    torch.testing.assert_close(got, expected[rows.candidates[free]], atol=1e-5, rtol=1e-4)
+
+
+def test_relevance_kv_combinations_rank_rows_that_are_relevant_and_deviating(tokenizer):
+    engine = engine_for(
+        tiny_model("qwen2"), tokenizer, ratio=0.2, check_layers=(1,), check_scales=None
+    )
+    engine.precompute(CHUNKS)
+    kept = {}
+    for name in ("relevance", "kv-deviation", "relevance-kv", "relevance-kv-product"):
+        trace = SelectionTrace()
+        _fused(engine.with_config(selector=name), trace=trace)
+        kept[name] = set(trace.selections[1].tolist())
+    assert kept["relevance-kv"] != kept["relevance"]
+    assert kept["relevance-kv"] != kept["kv-deviation"]
+    # a rank-sum pick shares rows with both of its signals
+    assert kept["relevance-kv"] & (kept["relevance"] - kept["kv-deviation"])
+    assert kept["relevance-kv"] & (kept["kv-deviation"] - kept["relevance"])
+
+
+def test_temper_divides_only_keys_of_rows_still_served_from_the_cache(tokenizer):
+    engine = engine_for(tiny_model("llama"), tokenizer)
+    engine.precompute(CHUNKS)
+    segments, _ = engine.chunks.lookup(engine.tokenize(QUESTION, CHUNKS))
+    rows = prompt_rows(segments, "cpu")
+    policy = SelectionPolicy(RandomSelector(), cached_temperature=2.0)
+    temper = cached_key_temper(policy, rows)
+    keys = torch.randn(1, 2, rows.n, 16)
+    computed = rows.candidates[::3]
+    out = temper(keys, computed)
+    stale = rows.cached & ~rows.exact
+    stale[computed] = False
+    torch.testing.assert_close(out[:, :, stale], keys[:, :, stale] / 2.0, atol=0, rtol=0)
+    assert torch.equal(out[:, :, ~stale], keys[:, :, ~stale])
+    assert cached_key_temper(SelectionPolicy(RandomSelector()), rows) is None
+
+
+def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tokenizer):
+    engine = engine_for(
+        tiny_model("llama", num_hidden_layers=4),
+        tokenizer,
+        ratio=0.1,
+        check_layers=(1,),
+        check_scales=None,
+    )
+    engine.precompute(CHUNKS)
+    plain, _ = _fused(engine)
+    same, _ = _fused(engine.with_config(cached_temperature=1.0, chunk_start_tokens=0))
+    assert torch.equal(plain.logits, same.logits)
+    hot, _ = _fused(engine.with_config(cached_temperature=2.0))
+    assert torch.equal(hot.selected, plain.selected)  # selection happens before any tempering
+    assert not torch.allclose(hot.logits, plain.logits)
+    stale = torch.ones(plain.keys[0].shape[2], dtype=torch.bool)
+    stale[plain.selected] = False
+    for layer in (2, 3):  # rows not recomputed keep their cached keys, unscaled
+        assert torch.equal(hot.keys[layer][:, :, stale], plain.keys[layer][:, :, stale])
+
+
+class PeakedSelector:
+    """All score mass on the first three candidates."""
+
+    name = "peaked"
+
+    def scores(self, check):
+        s = torch.zeros(check.candidates.numel())
+        s[:3] = 1.0
+        return s
+
+
+def test_adaptive_ratio_keeps_the_rows_covering_the_mass_within_the_ratio_bounds(tokenizer):
+    engine = engine_for(
+        tiny_model("llama"), tokenizer, ratio=0.2, check_layers=(1,), check_scales=None
+    )
+    engine.precompute(CHUNKS)
+    segments, _ = engine.chunks.lookup(engine.tokenize(QUESTION, CHUNKS))
+    rows = prompt_rows(segments, "cpu")
+    forced = int(rows.forced.sum())
+
+    def kept(selector, mass, bounds):
+        policy = SelectionPolicy(selector, adaptive_mass=mass, adaptive_ratio=bounds)
+        out, _ = _fused(engine, selector=policy)
+        return out.selected.numel() - forced
+
+    assert kept(PeakedSelector(), 0.9, (0.0, 1.0)) == 3
+    assert kept(PeakedSelector(), 0.9, (0.1, 1.0)) == round(0.1 * rows.num_approx)
+    uniform = kept(RandomSelector(), 0.5, (0.0, 1.0))
+    assert 0.2 * rows.num_approx < uniform < 0.8 * rows.num_approx  # random scores: ~half
+    assert kept(RandomSelector(), 0.99, (0.0, 0.25)) == round(0.25 * rows.num_approx)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ratio_one_with_every_option_on_equals_hf_full_prefill(tokenizer, family):
+    engine = engine_for(tiny_model(family), tokenizer, ratio=1.0, **EVERY_OPTION)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    out = engine.prefill(prompt, "blend")
+    assert out.stats.recomputed_fraction == 1.0
+    assert_matches_hf(out, hf_forward(engine.model, prompt.ids), range(3), atol=ATOL)
+
+
+def test_every_option_on_at_a_low_ratio_runs_and_recomputes_a_share(tokenizer):
+    engine = engine_for(tiny_model("qwen3"), tokenizer, ratio=0.15, **EVERY_OPTION)
+    engine.precompute(CHUNKS)
+    out = engine.prefill(engine.tokenize(QUESTION, CHUNKS), "blend")
+    assert 0.0 < out.stats.recomputed_fraction < 1.0
+    assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"chunk_start_tokens": -1},
+        {"chunk_start_tokens": 1.5},
+        {"cached_temperature": 0.0},
+        {"adaptive_mass": 1.5},
+        {"adaptive_mass": 0.0},
+        {"adaptive_ratio": (0.3, 0.1)},
+        {"adaptive_ratio": (0.1,)},
+    ],
+)
+def test_bad_selection_options_are_one_clear_error(bad):
+    name = next(iter(bad))
+    with pytest.raises(RagblendError, match=name):
+        BlendConfig(**bad)
+
+
+def test_relevance_selector_without_observed_layers_uses_the_check_layer_alone(tokenizer):
+    engine = engine_for(
+        tiny_model("llama"), tokenizer, ratio=0.2, check_layers=(1,), check_scales=None
+    )
+    engine.precompute(CHUNKS)
+    trace_one, trace_all = SelectionTrace(), SelectionTrace()
+    _fused(engine, selector=_OnlyScores(), trace=trace_one)
+    _fused(engine.with_config(selector="attention"), trace=trace_all)
+    assert torch.allclose(trace_one.scores[1], trace_all.scores[1], atol=1e-6)
+
+
+class _OnlyScores:
+    """The relevance selector seen through a plain (non-observing) selector interface."""
+
+    name = "relevance-check-only"
+
+    def __init__(self) -> None:
+        self.inner = QuestionRelevanceSelector()
+
+    def scores(self, check):
+        return self.inner.scores(check)
