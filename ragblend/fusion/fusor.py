@@ -87,7 +87,8 @@ def fuse(
     rows_per_layer: list[int] = []
     groups = model.num_heads // model.num_kv_heads
     plans: dict[int | None, RowAttentionPlan] = {}
-    watched, memory = last_observed_layer(selector, checks), {}  # multi-layer selectors
+    watched = last_observed_layer(selector, checks)  # multi-layer selectors see layers <= it
+    memory: dict = {}  # their scratch space for this prefill
     temper = cached_key_temper(selector, rows)
     for layer, k_cached, v_cached in layers:
         # project

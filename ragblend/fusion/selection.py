@@ -130,7 +130,7 @@ class SelectionPolicy:
             inner,
             chunk_start_tokens=config.chunk_start_tokens,
             adaptive_mass=config.adaptive_mass,
-            adaptive_ratio=tuple(config.adaptive_ratio),
+            adaptive_ratio=(float(config.adaptive_ratio[0]), float(config.adaptive_ratio[1])),
             check_scales=dict(zip(config.check_layers, scales)),
             cached_temperature=config.cached_temperature,
         )
@@ -152,11 +152,12 @@ class SelectionPolicy:
         scale = self.check_scales.get(check.layer, 1.0)
         base = check.prompt.num_approx if check.prompt is not None else scores.numel()
         low, high = (round(r * scale * base) for r in self.adaptive_ratio)
+        target = self.adaptive_mass or 0.0  # only called when adaptive_mass is set
         mass = scores.float().clamp_min(0).sort(descending=True).values
         total = float(mass.sum())
         if total > 0:
             covered = torch.cumsum(mass, 0) / total
-            needed = int(torch.searchsorted(covered, float(self.adaptive_mass))) + 1
+            needed = int(torch.searchsorted(covered, target)) + 1
         else:
             needed = low
         return max(0, min(scores.numel(), high, max(low, needed)))
