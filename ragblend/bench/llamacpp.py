@@ -81,7 +81,11 @@ class LlamaCppPeer:
         start = time.perf_counter()
         self.llm.reset()  # n_tokens = 0: eval() drops every cached position before decoding
         self.llm.eval(ids)
-        first = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        # without logits_all, llama-cpp-python keeps no scores: read the last row from the context
+        import numpy as np
+
+        last = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+        first = int(last.argmax())
         return (time.perf_counter() - start) * 1000, first
 
     def close(self) -> None:
