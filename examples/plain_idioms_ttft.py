@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -224,7 +225,8 @@ def main() -> None:
     lc_llm.wait_for_warmup()
 
     results: dict = {
-        "machine": "shared 2-core CPU, other jobs running: TTFT indicative, hits exact",
+        "machine": f"{os.cpu_count()}-core CPU; TTFT is comparable only on a quiet machine",
+        "load_average_at_start": os.getloadavg(),
         "passages": len(passages),
         "questions": len(questions),
         "top_k": k,
@@ -257,6 +259,7 @@ def main() -> None:
             f"(mode {', '.join(r['blend_modes'])}) | {r['full_ttft_ms_median']:.0f} → "
             f"{r['blend_ttft_ms_median']:.0f}, {r['median_speedup']:.1f}× |"
         )
+    results["load_average_at_end"] = os.getloadavg()
     table = "\n".join(lines)
     results["table"] = table
     out = Path("out/plain_idioms_ttft.json")

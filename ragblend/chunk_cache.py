@@ -9,7 +9,7 @@ into the fusor's segments plus the indices of the chunks that missed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -111,16 +111,27 @@ class ChunkCache:
             prefetch=self.store.prefetch_depth,
         )
 
-    def compute_kv(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
+    def compute_kv(
+        self,
+        ids: list[int],
+        context_ids: list[int],
+        between_layers: Callable[[], None] | None = None,
+    ) -> ChunkKV:
         """Prefill ``ids`` after ``context_ids`` (served from the exact prefix cache); the KV
-        of ``ids`` only: pre-RoPE K and V, [layers, kv_heads, len(ids), head_dim]."""
+        of ``ids`` only: pre-RoPE K and V, [layers, kv_heads, len(ids), head_dim].
+
+        ``between_layers`` is called before each layer (background warmup blocks there while a
+        query runs, so a chunk already started yields the cores within one layer)."""
         context_len = len(context_ids)
         segments = []
         if context_ids:
             segments.append(Segment("prefix", context_ids, self.prefix_kv(context_ids), exact=True))
         segments.append(Segment("chunk", list(ids)))
         capture = PreRopeCapture()
-        out = fuse(self.layers, segments, self.loader(segments), None, trace=capture)
+        layers = self.loader(segments)
+        if between_layers is not None:
+            layers = _calling_before_each(layers, between_layers)
+        out = fuse(self.layers, segments, layers, None, trace=capture)
         k = torch.stack([k[0] for k in capture.keys]).contiguous()
         v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
         meta = {
@@ -143,16 +154,22 @@ class ChunkCache:
             return computed
         return kv
 
-    def precompute_ids(self, chunk_ids: Sequence[int], head: list[int]) -> bool:
-        """Precompute one tokenised chunk for prompts with ``head``; False if already stored."""
+    def precompute_ids(
+        self,
+        chunk_ids: Sequence[int],
+        head: list[int],
+        between_layers: Callable[[], None] | None = None,
+    ) -> bool:
+        """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
+        ``between_layers``: see ``compute_kv``."""
         context_ids = self.context_ids(head)
         key = self.key(context_ids=context_ids, chunk_ids=chunk_ids)
         if key in self.store:
             return False
         try:
-            kv = self.compute_kv(list(chunk_ids), context_ids)
+            kv = self.compute_kv(list(chunk_ids), context_ids, between_layers)
         except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
-            kv = self.compute_kv(list(chunk_ids), context_ids)
+            kv = self.compute_kv(list(chunk_ids), context_ids, between_layers)
         self.store.put(key, pack(kv, self.kv_dtype))
         return True
 
@@ -200,3 +217,9 @@ class ChunkCache:
             Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True),
             Segment("rest", prompt.ids[len(prompt.head) :]),
         ]
+
+
+def _calling_before_each(items: Iterable, hook: Callable[[], None]) -> Iterator:
+    for item in items:
+        hook()
+        yield item

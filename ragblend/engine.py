@@ -190,9 +190,17 @@ class BlendEngine:
             texts = tqdm(chunks, desc="precompute KV", unit="chunk")
         return self.chunks.precompute(texts, self.prompt_head(prompt_format))
 
-    def precompute_ids(self, chunk_ids: Sequence[int], head: list[int]) -> bool:
-        """Precompute one tokenised chunk for prompts with ``head``; False if already stored."""
-        return self.chunks.precompute_ids(chunk_ids, head)
+    def precompute_ids(
+        self,
+        chunk_ids: Sequence[int],
+        head: list[int],
+        between_layers: Callable[[], None] | None = None,
+    ) -> bool:
+        """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
+
+        ``between_layers`` is called before each layer's compute (background warmup waits
+        there while a query runs)."""
+        return self.chunks.precompute_ids(chunk_ids, head, between_layers)
 
     def is_cached(self, chunk: str, prompt_format: PromptFormat | None = None) -> bool:
         return self.chunks.is_cached(chunk, self.prompt_head(prompt_format))

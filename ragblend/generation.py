@@ -9,7 +9,6 @@ apply) so each new token is written in place instead of concatenated onto every 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from ragblend.bridge import aiter_in_thread
 from ragblend.errors import RagblendError
 from ragblend.layer_decode import LayerDecoder
 
@@ -241,16 +241,11 @@ class BlendStream:
         return next(self._deltas)
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        """Each step runs in a worker thread, so the event loop is never blocked."""
-        done = object()
-        try:
-            while True:
-                delta = await asyncio.to_thread(next, self._deltas, done)
-                if delta is done:
-                    return
-                yield cast(str, delta)
-        finally:
-            self.close()
+        """Decoding runs on a thread of its own (ending with the stream, see
+        ``ragblend.threads``), so the event loop is never blocked; leaving the loop early
+        closes the stream on that thread after its current token."""
+        async for delta in aiter_in_thread(lambda _cancel: self._deltas, "ragblend-stream"):
+            yield delta
 
     def collect(self) -> BlendResult:
         """Run to the end and return the result."""

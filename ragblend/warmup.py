@@ -4,8 +4,11 @@ Every integration (LlamaIndex ``BlendLLM``, LangChain ``ChatRagBlend``, the ``ra
 command) uses this pool: items are chunk texts (or token ids) tagged with the prompt layout
 they are precomputed under, so one pool serves every layout. Retrieval-time misses
 (``priority=RETRIEVAL``) go before the ingestion backlog (``priority=BACKLOG``), and workers
-pause between items while a query runs (:meth:`WarmupPool.query`), so background warmup does
-not compete with a running prefill/decode for the CPU (an item already started finishes).
+pause while a query runs (:meth:`WarmupPool.query`): no new item starts, and an item already
+started stops before its next layer and goes back to the queue, so background warmup does not
+compete with a running prefill/decode for the CPU. Each item is computed on a thread of its own
+that ends with it: a parked thread that has computed would slow every later query in the process
+(:mod:`ragblend.threads`). ``benchmarks/warmup_interference.py`` measures both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from ragblend.engine import BlendEngine
 from ragblend.matching import known_chunks
 from ragblend.prompt import PromptFormat, encode
+from ragblend.threads import call_in_fresh_thread
 
 log = logging.getLogger(__name__)
 RETRIEVAL = 0  # a chunk a query just retrieved and missed: the next query wants it
@@ -28,6 +32,10 @@ BACKLOG = 1  # ingestion-time warmup
 _STOP_PRIORITY = 2  # after every real item
 _STOP = object()
 Item = str | tuple[int, ...]
+
+
+class _Preempted(Exception):
+    """A query started: the item stops before its next layer and goes back to the queue."""
 
 
 class _Precomputing:
@@ -51,7 +59,15 @@ class _Precomputing:
         """
         try:
             ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
-            stored = self.engine.precompute_ids(ids, head)
+            stored = call_in_fresh_thread(
+                self.engine.precompute_ids,
+                ids,
+                head,
+                self._between_layers(),
+                name="ragblend-warmup-compute",
+            )
+        except _Preempted:
+            raise
         except Exception as exc:
             log.warning("warmup of a chunk failed: %s", exc)
             with self._lock:
@@ -63,6 +79,10 @@ class _Precomputing:
             else:
                 self.skipped += 1
         return stored
+
+    def _between_layers(self) -> Callable[[], None] | None:
+        """What a precompute calls before each layer (None: nothing, run through)."""
+        return None
 
     def _notify_done(self, stored: bool) -> None:
         if self.on_done is not None:
@@ -104,6 +124,7 @@ class WarmupPool(_Precomputing):
         self.stored = 0
         self.skipped = 0
         self.dropped = 0
+        self.preempted = 0  # items stopped mid-way by a query and queued again
         self.errors: list[str] = []
         self._threads = [
             threading.Thread(target=self._work, name=f"ragblend-warmup-{i}", daemon=True)
@@ -182,7 +203,8 @@ class WarmupPool(_Precomputing):
     # ------------------------------------------------------------------ queries
     @contextlib.contextmanager
     def query(self) -> Iterator[None]:
-        """Mark a query as running: workers start no new item until every query has ended."""
+        """Mark a query as running: until every query has ended, workers start no new item and
+        the item in progress stops before its next layer (it is queued again, first in line)."""
         with self._lock:
             self._active_queries += 1
         try:
@@ -242,6 +264,13 @@ class WarmupPool(_Precomputing):
         self.close(wait=exc[0] is None)
 
     # ------------------------------------------------------------------ worker
+    def _between_layers(self) -> Callable[[], None] | None:
+        return self._yield_to_queries if self.pause_during_queries else None
+
+    def _yield_to_queries(self) -> None:
+        if self._active_queries and not self._closed:
+            raise _Preempted
+
     def _wait_for_idle(self) -> None:
         with self._lock:
             while self.pause_during_queries and self._active_queries and not self._closed:
@@ -249,13 +278,20 @@ class WarmupPool(_Precomputing):
 
     def _work(self) -> None:
         while True:
-            _, _, key = self._queue.get()
+            priority, seq, key = self._queue.get()
             if key is _STOP:
                 self._queue.task_done()
                 return
             self._wait_for_idle()
             head, item = key
-            stored = self._precompute_one(item, self._heads[head])
+            try:
+                stored = self._precompute_one(item, self._heads[head])
+            except _Preempted:  # first again among its priority, once the query ends
+                with self._lock:
+                    self.preempted += 1
+                self._queue.put((priority, seq, key))
+                self._queue.task_done()
+                continue
             with self._lock:
                 self._pending.discard(key)
             self._room.release()

@@ -271,6 +271,23 @@ def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tok
     assert store.verify()["corrupt"] == 0
 
 
+def test_precompute_calls_between_layers_once_per_layer_and_stores_the_same_kv(
+    tokenizer, tmp_path
+):
+    calls = []
+    hooked = make_engine("llama", tokenizer, MemoryStore())
+    plain = make_engine("llama", tokenizer, MemoryStore())
+    ids = hooked.tokenizer.encode(CHUNKS[0], add_special_tokens=False)
+    head = hooked.prompt_head()
+    assert hooked.precompute_ids(ids, head, lambda: calls.append(1))
+    assert plain.precompute_ids(ids, head)
+    assert len(calls) == hooked.layers.num_layers
+    key = hooked.chunks.key(context_ids=hooked.chunks.context_ids(head), chunk_ids=ids)
+    got, want = hooked.store.get(key), plain.store.get(key)
+    assert got is not None and want is not None
+    assert torch.equal(got.materialize().k, want.materialize().k)
+
+
 def test_checksum_mismatch_raises_corrupt_entry_error_and_drops_the_entry(tmp_path):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     store.put("k", random_kv())

@@ -1,10 +1,12 @@
-"""WarmupPool scheduling: retrieval misses jump the backlog; workers pause while a query runs.
+"""WarmupPool scheduling: retrieval misses jump the backlog; workers pause while a query runs,
+an item in progress yields before its next layer, and compute runs on threads that end with it.
 
 The engine here is a recording stand-in (the pool only needs ``prompt_head``, ``is_cached``,
 ``precompute_ids`` and a tokenizer); precompute itself is covered in test_warmup.py.
 """
 
 import threading
+import time
 
 from ragblend.warmup import RETRIEVAL, WarmupPool
 
@@ -23,7 +25,7 @@ class RecordingEngine:
     def is_cached(self, text, prompt_format=None) -> bool:
         return False
 
-    def precompute_ids(self, ids, head) -> bool:
+    def precompute_ids(self, ids, head, between_layers=None) -> bool:
         self.started.set()
         self.gate.wait(5)
         self.order.append(list(ids))
@@ -52,6 +54,60 @@ def test_workers_start_no_new_chunk_while_a_query_runs():
             assert engine.order == []
         assert pool.wait(5)
     assert engine.order == [[1], [2]]
+
+
+class LayeredEngine(RecordingEngine):
+    """Precomputes in four "layers", calling the pool's hook before each (as ChunkCache does);
+    the first layer of the first attempt waits for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[tuple[int, int]] = []
+        self.threads: list[threading.Thread] = []
+
+    def precompute_ids(self, ids, head, between_layers=None) -> bool:
+        self.threads.append(threading.current_thread())
+        for layer in range(4):
+            if between_layers is not None:
+                between_layers()
+            self.layers.append((ids[0], layer))
+            if not self.started.is_set():
+                self.started.set()
+                self.gate.wait(5)
+        self.order.append(list(ids))
+        return True
+
+
+def test_a_query_stops_the_item_in_progress_before_its_next_layer_and_it_is_redone_after():
+    engine = LayeredEngine()
+    with WarmupPool(engine) as pool:
+        pool.warm_ids([[7]])
+        assert engine.started.wait(5)  # inside layer 0
+        with pool.query():
+            engine.gate.set()
+            deadline = time.monotonic() + 5
+            while not pool.preempted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pool.preempted == 1
+            assert engine.layers == [(7, 0)]  # layer 1 never started while the query ran
+            assert engine.order == [] and pool.pending() == 1
+        assert pool.wait(5)
+    assert engine.order == [[7]]
+    assert engine.layers == [(7, 0), (7, 0), (7, 1), (7, 2), (7, 3)]
+    assert pool.stored == 1 and pool.errors == []
+
+
+def test_each_item_is_computed_on_a_thread_that_ends_with_it():
+    engine = LayeredEngine()
+    engine.gate.set()
+    with WarmupPool(engine) as pool:
+        pool.warm_ids([[1], [2]])
+        assert pool.wait(5)
+        workers = set(pool._threads)
+    assert len(engine.threads) == 2 and len(set(engine.threads)) == 2
+    for thread in engine.threads:
+        assert thread not in workers and thread.name == "ragblend-warmup-compute"
+        assert not thread.is_alive()
 
 
 def test_duplicates_under_one_layout_are_queued_once():

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ragblend.store.base import BatchableEntry, ChunkKV, KVEntry, LayerBatcher
+from ragblend.threads import copy_only_thread
 
 
 class LayerLoader:
@@ -111,9 +112,7 @@ class LayerLoader:
 
         def reader() -> None:
             try:
-                # Copies here are small; an OpenMP team of their own would compete with the
-                # compute threads for the same cores (intra-op thread count is per thread).
-                torch.set_num_threads(1)
+                copy_only_thread()  # no OpenMP team of its own (see ragblend.threads)
                 if stager is not None:
                     stager.enter_thread()
                 for layer in range(self.num_layers):

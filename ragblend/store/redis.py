@@ -41,6 +41,7 @@ from ragblend.store.redis_entry import (
     encode_entry,
     layer_field,
 )
+from ragblend.threads import copy_only_thread
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class RedisStore:
         block_when_full: bool = False,
         layers_per_fetch: int = 1,
         ttl_s: int | None = None,
+        socket_read_size: int = 1 << 20,
     ) -> None:
         redis = _redis()
         if not url.startswith(("redis://", "rediss://", "unix://")):
@@ -114,6 +116,9 @@ class RedisStore:
             socket_connect_timeout=connect_timeout,
             max_connections=max_connections,
             retry_on_timeout=False,
+            # A layer of a query's chunks is megabytes: 64 KiB reads (redis-py's default) make
+            # the round trip ~1.4x slower on loopback (benchmarks/results/cpu/tier_compare.json).
+            socket_read_size=socket_read_size,
         )
         self._down_until = 0.0
         self._down_logged = False
@@ -272,6 +277,7 @@ class RedisStore:
                 self.dropped_writes += 1
 
     def _write_loop(self) -> None:
+        copy_only_thread()  # serialising copies tensors: no OpenMP team (ragblend.threads)
         while True:
             item = self._queue.get()
             try:

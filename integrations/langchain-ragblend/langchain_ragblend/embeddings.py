@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from langchain_core.embeddings import Embeddings
+from ragblend.threads import run_in_fresh_thread
 
 _MODELS: dict[tuple[str, str], Any] = {}
 _LOCK = threading.Lock()
@@ -69,3 +70,11 @@ class MiniLMEmbeddings(Embeddings):
 
     def embed_query(self, text: str) -> list[float]:
         return self.embed_documents([text])[0]
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        """On a fresh thread, not the executor's parked ones (see ``ragblend.threads``)."""
+        return await run_in_fresh_thread(self.embed_documents, texts)
+
+    async def aembed_query(self, text: str) -> list[float]:
+        """On a fresh thread, not the executor's parked ones (see ``ragblend.threads``)."""
+        return await run_in_fresh_thread(self.embed_query, text)

@@ -288,9 +288,9 @@ def test_warmup_transform_returns_nodes_without_waiting_for_precompute(
     release = threading.Event()
     original = embedded_engine.precompute_ids
 
-    def gated(ids, head):
+    def gated(ids, head, between_layers=None):
         release.wait(timeout=60)
-        return original(ids, head)
+        return original(ids, head, between_layers)
 
     monkeypatch.setattr(embedded_engine, "precompute_ids", gated)
     llm = BlendLLM(engine=embedded_engine, max_new_tokens=MAX_NEW)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -40,6 +39,7 @@ from ragblend.matching import (
     prompt_forms,
 )
 from ragblend.prompt import encode
+from ragblend.threads import run_in_fresh_thread
 from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
 log = logging.getLogger(__name__)
@@ -333,27 +333,27 @@ class BlendLLM(CustomLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         """Like :meth:`complete`, run in a worker thread so the event loop stays free."""
-        stream = await asyncio.to_thread(self._open_completion, prompt, formatted, kwargs)
-        return self._completion(await asyncio.to_thread(self._drain, stream))
+        stream = await run_in_fresh_thread(self._open_completion, prompt, formatted, kwargs)
+        return self._completion(await run_in_fresh_thread(self._drain, stream))
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         """Async stream; prefill and decode run in a thread feeding an asyncio queue."""
-        stream = await asyncio.to_thread(self._open_completion, prompt, formatted, kwargs)
+        stream = await run_in_fresh_thread(self._open_completion, prompt, formatted, kwargs)
         return _athread(self._completion_gen(stream))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = await asyncio.to_thread(self._open_chat, messages, kwargs)
-        return self._chat_response(await asyncio.to_thread(self._drain, stream))
+        stream = await run_in_fresh_thread(self._open_chat, messages, kwargs)
+        return self._chat_response(await run_in_fresh_thread(self._drain, stream))
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        stream = await asyncio.to_thread(self._open_chat, messages, kwargs)
+        stream = await run_in_fresh_thread(self._open_chat, messages, kwargs)
         return _athread(self._chat_gen(stream))
 
     # ------------------------------------------------------------------ warmup

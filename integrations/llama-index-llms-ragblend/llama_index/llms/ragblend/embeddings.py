@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+
+from ragblend.threads import run_in_fresh_thread
 
 
 def bundled_model_path() -> Path:
@@ -63,7 +64,7 @@ class MiniLMEmbedding(BaseEmbedding):
         return self._embed(texts)
 
     async def _aget_query_embedding(self, query: str) -> list[float]:
-        return await asyncio.to_thread(self._get_query_embedding, query)
+        return await run_in_fresh_thread(self._get_query_embedding, query)
 
     async def _aget_text_embedding(self, text: str) -> list[float]:
-        return await asyncio.to_thread(self._get_text_embedding, text)
+        return await run_in_fresh_thread(self._get_text_embedding, text)
