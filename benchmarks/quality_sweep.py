@@ -126,7 +126,7 @@ def plot(results: dict, path: Path) -> None:
             ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         front = sorted(pareto(points), key=lambda p: p[1])
         ax.plot([p[1] for p in front], [p[2] for p in front], "k--", lw=0.8, label="Pareto front")
-        ax.set(xlabel="TTFT speedup vs full (shared 2-core CPU)", ylabel=f"{key} / reuse's")
+        ax.set(xlabel="TTFT speedup vs full (one run per question)", ylabel=f"{key} / reuse's")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("selection options: fidelity to full prefill vs TTFT (lower-right is better)")

@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers-per-fetch", type=int, nargs="+", default=[1])
     ap.add_argument("--unix-socket", action="store_true")
+    ap.add_argument("--dtype", default="auto", help="compute dtype: auto / bfloat16 / float32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -85,7 +86,7 @@ def main() -> None:
     server = RedisServer(tmp, extra=["--unixsocket", str(socket), "--unixsocketperm", "700"])
     server.start()
     try:
-        ram = BlendEngine.from_pretrained("embedded", store=MemoryStore())
+        ram = BlendEngine.from_pretrained("embedded", dtype=args.dtype, store=MemoryStore())
         first = args.layers_per_fetch[0]
         stores = {
             redis_variant(n, first): RedisStore(server.url, layers_per_fetch=n)
@@ -162,7 +163,8 @@ def main() -> None:
         server.stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tier_compare.json").write_text(json.dumps(result, indent=2))
+    name = "tier_compare.json" if args.dtype == "auto" else f"tier_compare_{args.dtype}.json"
+    (out / name).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

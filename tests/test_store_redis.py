@@ -84,7 +84,7 @@ def test_layers_per_fetch_reads_ahead_in_one_round_trip(redis_server):
 
 
 def test_corrupted_layer_raises_corrupt_entry_and_is_dropped(redis_server, caplog):
-    store = RedisStore(redis_server.url)
+    store = RedisStore(redis_server.url, layers_per_fetch=1)  # layer 0 reads alone
     written(store, "d" * 64, entry())
     name = store.redis_key("d" * 64)
     blob = bytearray(store._client.hget(name, layer_field(1)))

@@ -65,7 +65,7 @@ def test_batched_fetch_is_bit_equal_to_per_entry_reads_in_fewer_round_trips(
 
 def test_loader_reads_one_round_trip_per_layer_for_every_redis_entry(redis_server):
     """Redis entries, plain and read through a layered chain, next to a RAM entry and a gap."""
-    store = RedisStore(redis_server.url)
+    store = RedisStore(redis_server.url, layers_per_fetch=1)
     keys = stored(store, "bfloat16")
     ram_kv = entry(9, tokens=4, kv_dtype="bfloat16")
     chain = LayeredStore([MemoryStore(), store])

@@ -85,7 +85,7 @@ class RedisStore:
         max_connections: int = 16,
         max_pending_writes: int = 64,
         block_when_full: bool = False,
-        layers_per_fetch: int = 1,
+        layers_per_fetch: int = 4,
         ttl_s: int | None = None,
         socket_read_size: int = 1 << 20,
     ) -> None:
