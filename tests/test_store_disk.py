@@ -271,9 +271,7 @@ def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tok
     assert store.verify()["corrupt"] == 0
 
 
-def test_precompute_calls_between_layers_once_per_layer_and_stores_the_same_kv(
-    tokenizer, tmp_path
-):
+def test_precompute_calls_between_layers_once_per_layer_and_stores_the_same_kv(tokenizer):
     calls = []
     hooked = make_engine("llama", tokenizer, MemoryStore())
     plain = make_engine("llama", tokenizer, MemoryStore())
