@@ -5,8 +5,10 @@
 All variants decode greedily from the same full prefill of ``--context`` random tokens on the
 embedded model: "dynamic" is what decoding did first (HF's forward over a deep copy of the
 prompt cache, grown by concatenation on every token), "static" HF's forward over a
-preallocated ``StaticCache``, "layerwise" ragblend's ``LayerDecoder`` (the default). Prints
-per-round tokens/s and the medians of the per-round ratios to "dynamic".
+preallocated ``StaticCache``, "layerwise" ragblend's ``LayerDecoder``, "packed" the same with
+one-row linears on prepacked oneDNN weights (``BlendConfig.packed_decode``, the default for bf16
+on CPU; ``ragblend.models.packed``). The other variants run with packing off. Prints per-round
+tokens/s and the medians of the per-round ratios to "dynamic".
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 import ragblend.generation as generation
 from ragblend import BlendEngine, SamplingParams
+from ragblend.models.packed import pack_one_row_linears
 
 
 def main() -> None:
@@ -30,17 +33,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    engine = BlendEngine.from_pretrained("embedded", dtype=args.dtype)
+    engine = BlendEngine.from_pretrained("embedded", dtype=args.dtype, packed_decode=False)
+    plain = {m: m.forward for m in engine.model.modules()}
+    pack_one_row_linears(engine.model)  # once; the other variants get the plain forwards back
+    packed = {m: m.forward for m in engine.model.modules() if m.forward != plain[m]}
     ids = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0))
     pre = engine.full_prefill(ids.tolist())
     static_cache = generation.decode_cache
-    kinds = ("dynamic", "static", "layerwise")
+    kinds = ("dynamic", "static", "layerwise", "packed")
 
     def run(kind: str) -> float:
         generation.decode_cache = (
             static_cache if kind == "static" else lambda m, c, n: copy.deepcopy(c)
         )
-        layers = engine.layers if kind == "layerwise" else None
+        layers = engine.layers if kind in ("layerwise", "packed") else None
+        for module, forward in packed.items():
+            module.forward = forward if kind == "packed" else plain[module]
         stats = copy.copy(pre.stats)
         p = generation.Prefill(pre.logits, pre.cache, pre.prompt_ids, stats)
         eos: set[int] = set()  # decode exactly --tokens tokens
@@ -55,7 +63,8 @@ def main() -> None:
     for _ in range(args.rounds):
         row = {f"{kind}_tokens_per_s": run(kind) for kind in kinds}
         row["static_over_dynamic"] = row["static_tokens_per_s"] / row["dynamic_tokens_per_s"]
-        row["layerwise_over_dynamic"] = row["layerwise_tokens_per_s"] / row["dynamic_tokens_per_s"]
+        for kind in ("layerwise", "packed"):
+            row[f"{kind}_over_dynamic"] = row[f"{kind}_tokens_per_s"] / row["dynamic_tokens_per_s"]
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     generation.decode_cache = static_cache

@@ -47,6 +47,9 @@ class BlendConfig:
         ``"prefix"`` (the prompt head: template + system prompt), ``"canonical"`` (the chat
         template's head with a fixed neutral system prompt: hits under any template),
         ``"filler"``, ``"bos"`` or ``"none"``.
+    packed_decode: for a bf16 model on CPU, one-row linears (every decode step) run on oneDNN
+        weights prepacked for one row (``ragblend.models.packed``): faster decoding, identical
+        outputs, a second copy of the linear weights in memory. ``False``: one copy.
     """
 
     ratio: float | Literal["auto"] = 0.15
@@ -69,6 +72,7 @@ class BlendConfig:
     namespace: str | None = None
     kv_dtype: str = "auto"
     max_new_tokens: int = 64
+    packed_decode: bool = True
     ram_bytes: int = 4 << 30
     extra: dict = field(default_factory=dict)
 

@@ -29,6 +29,7 @@ from ragblend.generation import (
 )
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.loading import load_model
+from ragblend.models.packed import pack_one_row_linears
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
@@ -73,6 +74,8 @@ class BlendEngine:
         self.prompt_format = prompt_format or PromptFormat()
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
+        if self.config.packed_decode:
+            pack_one_row_linears(model)
         self.selector: TokenSelector = make_selector(self.config)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)

@@ -1,0 +1,48 @@
+"""One-row bf16 linears on prepacked oneDNN weights: identical outputs, only where they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from torch import nn
+
+from ragblend import BlendConfig, BlendEngine
+from ragblend.models.packed import available, pack_one_row_linears, unpack_one_row_linears
+
+pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
+
+
+def test_one_row_inputs_equal_f_linear_bit_for_bit_and_other_inputs_go_to_f_linear():
+    torch.manual_seed(0)
+    for out_f, in_f, bias in [(1536, 576, False), (192, 576, True), (49, 64, True), (7, 3, False)]:
+        layer = nn.Linear(in_f, out_f, bias=bias).to(torch.bfloat16)
+        x1 = torch.randn(1, 1, in_f, dtype=torch.bfloat16)
+        x5 = torch.randn(1, 5, in_f, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            want1, want5 = layer(x1), layer(x5)
+            assert pack_one_row_linears(layer) == 1
+            assert torch.equal(layer(x1), want1) and torch.equal(layer(x5), want5)
+            assert torch.equal(layer(x1), F.linear(x1, layer.weight, layer.bias))
+        unpack_one_row_linears(layer)
+        assert "forward" not in vars(layer)
+
+
+def test_only_bf16_cpu_linears_are_packed():
+    assert pack_one_row_linears(nn.Linear(4, 4)) == 0  # fp32
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert pack_one_row_linears(model) == linears
+    assert pack_one_row_linears(model) == 0  # already packed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_decode_answers_exactly_as_unpacked(family, tokenizer):
+    def answer(packed: bool):
+        model = tiny_model(family, dtype=torch.bfloat16)
+        engine = BlendEngine(model, tokenizer, BlendConfig(packed_decode=packed))
+        return engine.generate(QUESTION, CHUNKS, mode="full", max_new_tokens=12).token_ids
+
+    packed = answer(True)
+    assert len(packed) == 12 and packed == answer(False)
