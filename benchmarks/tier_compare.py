@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--layers-per-fetch", type=int, nargs="+", default=[1])
     ap.add_argument("--unix-socket", action="store_true")
     ap.add_argument("--dtype", default="auto", help="compute dtype: auto / bfloat16 / float32")
+    ap.add_argument("--kv-dtype", default="auto", help="storage dtype of chunk KV, both tiers")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -86,7 +87,9 @@ def main() -> None:
     server = RedisServer(tmp, extra=["--unixsocket", str(socket), "--unixsocketperm", "700"])
     server.start()
     try:
-        ram = BlendEngine.from_pretrained("embedded", dtype=args.dtype, store=MemoryStore())
+        ram = BlendEngine.from_pretrained(
+            "embedded", dtype=args.dtype, kv_dtype=args.kv_dtype, store=MemoryStore()
+        )
         first = args.layers_per_fetch[0]
         stores = {
             redis_variant(n, first): RedisStore(server.url, layers_per_fetch=n)
@@ -163,7 +166,8 @@ def main() -> None:
         server.stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "tier_compare.json" if args.dtype == "auto" else f"tier_compare_{args.dtype}.json"
+    tags = [t for t in (args.dtype, f"kv_{args.kv_dtype}") if t not in ("auto", "kv_auto")]
+    name = "_".join(["tier_compare", *tags]) + ".json"
     (out / name).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

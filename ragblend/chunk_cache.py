@@ -128,7 +128,7 @@ class ChunkCache:
             segments.append(Segment("prefix", context_ids, self.prefix_kv(context_ids), exact=True))
         segments.append(Segment("chunk", list(ids)))
         capture = PreRopeCapture()
-        layers = self.loader(segments)
+        layers: Iterable = self.loader(segments)
         if between_layers is not None:
             layers = _calling_before_each(layers, between_layers)
         out = fuse(self.layers, segments, layers, None, trace=capture)

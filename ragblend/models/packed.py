@@ -39,7 +39,7 @@ def pack_one_row_linears(model: nn.Module) -> int:
             continue
         if w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
-        module.forward = _one_row_forward(module)  # type: ignore[method-assign]
+        module.forward = _one_row_forward(module)  # type: ignore[method-assign,assignment]
         setattr(module, _ATTR, True)
         packed += 1
     return packed
