@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from ragblend.errors import RagblendError
 
 # (n_batch, flash_attn) pairs tried per model; the best median over the first prompts is kept.
@@ -127,7 +129,7 @@ def best_setting(
     """The (n_batch, flash_attn) with the lowest median TTFT on ``prompts`` (a few suffice)."""
     medians: dict[str, float] = {}
     best: tuple[float, PeerSetting] | None = None
-    for n_batch, flash in settings:
+    for n_batch, flash in tqdm(settings, desc="llama.cpp tuning", unit="setting"):
         setting = PeerSetting(n_batch, flash)
         peer = LlamaCppPeer(gguf, n_ctx, setting)
         try:
@@ -161,7 +163,8 @@ def run_peer(
     try:
         peer.ttft_ms(prompts[0])
         per_question = [
-            statistics.median(peer.ttft_ms(p)[0] for _ in range(repeats)) for p in prompts
+            statistics.median(peer.ttft_ms(p)[0] for _ in range(repeats))
+            for p in tqdm(prompts, desc="llama.cpp", unit="question")
         ]
     finally:
         peer.close()
