@@ -34,7 +34,10 @@ def test_run_in_fresh_thread_awaits_a_new_thread_per_call():
         return [await run_in_fresh_thread(work, i) for i in range(3)]
 
     assert asyncio.run(main()) == [1, 2, 3]
-    assert len(set(seen)) == 3 and not any(t.is_alive() for t in seen)
+    assert len(set(seen)) == 3 and threading.current_thread() not in seen
+    for thread in seen:  # each ends right after handing its result to the loop
+        thread.join(timeout=5)
+        assert not thread.is_alive()
 
     async def failing():
         await run_in_fresh_thread(lambda: 1 / 0)
