@@ -34,9 +34,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     engine = BlendEngine.from_pretrained("embedded", dtype=args.dtype, packed_decode=False)
-    plain = {m: m.forward for m in engine.model.modules()}
-    pack_one_row_linears(engine.model)  # once; the other variants get the plain forwards back
-    packed = {m: m.forward for m in engine.model.modules() if m.forward != plain[m]}
+    pack_one_row_linears(engine.model)  # once; the other variants run the class's own forward
+    packed = {m: vars(m)["forward"] for m in engine.model.modules() if "forward" in vars(m)}
     ids = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0))
     pre = engine.full_prefill(ids.tolist())
     static_cache = generation.decode_cache
@@ -48,7 +47,10 @@ def main() -> None:
         )
         layers = engine.layers if kind in ("layerwise", "packed") else None
         for module, forward in packed.items():
-            module.forward = forward if kind == "packed" else plain[module]
+            if kind == "packed":
+                module.forward = forward
+            else:
+                vars(module).pop("forward", None)
         stats = copy.copy(pre.stats)
         p = generation.Prefill(pre.logits, pre.cache, pre.prompt_ids, stats)
         eos: set[int] = set()  # decode exactly --tokens tokens

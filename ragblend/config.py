@@ -49,7 +49,8 @@ class BlendConfig:
         ``"filler"``, ``"bos"`` or ``"none"``.
     packed_decode: for a bf16 model on CPU, one-row linears (every decode step) run on oneDNN
         weights prepacked for one row (``ragblend.models.packed``): faster decoding, identical
-        outputs, a second copy of the linear weights in memory. ``False``: one copy.
+        outputs, a second copy of the linear weights in memory from the first decode on (an
+        engine that only precomputes never makes it). ``False``: one copy.
     """
 
     ratio: float | Literal["auto"] = 0.15

@@ -74,8 +74,6 @@ class BlendEngine:
         self.prompt_format = prompt_format or PromptFormat()
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
-        if self.config.packed_decode:
-            pack_one_row_linears(model)
         self.selector: TokenSelector = make_selector(self.config)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
@@ -370,7 +368,7 @@ class BlendEngine:
             return self._prefill(prompt, mode, ratio)
 
         decode = Decoder(self.model, self.tokenizer, self.eos_ids, params, max_new, self.layers)
-        return decode.stream(prefill, self._lock, started)
+        return decode.stream(prefill, self._lock, started, self._prepare_decode)
 
     def generate(
         self,
@@ -398,10 +396,18 @@ class BlendEngine:
         """Ordinary chat completion (full prefill), for requests that carry no chunks."""
         return self.stream_prompt(self.chat_ids(messages), **sampling).collect()
 
+    def _prepare_decode(self) -> None:
+        """Before decoding: one-row linears on prepacked weights (``config.packed_decode``;
+        once per model). Not at start-up: engines that only precompute (warmup jobs, Ray
+        actors) never pay its time or the weights' second copy."""
+        if self.config.packed_decode:
+            pack_one_row_linears(self.model)
+
     # ------------------------------------------------------------------ benchmarks
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy answer ids after ``prefill`` (EOS excluded; ``prefill`` is left as it was)."""
         pre = dataclasses.replace(prefill, stats=copy.copy(prefill.stats))
+        self._prepare_decode()
         ids = decode_tokens(
             self.model, pre, SamplingParams(), max_new_tokens, self.eos_ids, self.layers
         )
@@ -409,6 +415,7 @@ class BlendEngine:
 
     def _decode(self, prefill: Prefill, max_new_tokens: int, *_ignored) -> Iterator[int]:
         # Kept for callers outside the engine's modules (greedy only).
+        self._prepare_decode()
         return decode_tokens(
             self.model, prefill, SamplingParams(), max_new_tokens, self.eos_ids, self.layers
         )

@@ -294,17 +294,24 @@ class Decoder:
         self.max_new_tokens = max_new_tokens
 
     def stream(
-        self, prefill: Callable[[], Prefill], lock: threading.Lock, started: float | None = None
+        self,
+        prefill: Callable[[], Prefill],
+        lock: threading.Lock,
+        started: float | None = None,
+        before_decode: Callable[[], None] | None = None,
     ) -> BlendStream:
         """A stream that, from its first step, holds ``lock``, runs ``prefill()`` and decodes;
         the lock is released when the stream is exhausted, closed or garbage-collected.
-        ``started`` (a perf_counter value) backdates TTFT, e.g. to include tokenisation."""
+        ``started`` (a perf_counter value) backdates TTFT, e.g. to include tokenisation;
+        ``before_decode`` runs after TTFT is taken and before decoding is timed."""
 
         def run(stream: BlendStream) -> Generator[str, None, None]:
             with lock:
                 t0 = time.perf_counter()
                 pre = prefill()
                 pre.stats.ttft_ms = (time.perf_counter() - (started or t0)) * 1000
+                if before_decode is not None:
+                    before_decode()
                 t0 = time.perf_counter()
                 tokens: list[int] = []
                 try:

@@ -37,12 +37,19 @@ def test_only_bf16_cpu_linears_are_packed():
     assert pack_one_row_linears(model) == 0  # already packed
 
 
+def _packed(model: nn.Module) -> bool:
+    return any("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Linear))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_decode_answers_exactly_as_unpacked(family, tokenizer):
     def answer(packed: bool):
         model = tiny_model(family, dtype=torch.bfloat16)
         engine = BlendEngine(model, tokenizer, BlendConfig(packed_decode=packed))
-        return engine.generate(QUESTION, CHUNKS, mode="full", max_new_tokens=12).token_ids
+        assert not _packed(model)  # not at start-up: only a decoding engine packs
+        ids = engine.generate(QUESTION, CHUNKS, mode="full", max_new_tokens=12).token_ids
+        assert _packed(model) == packed
+        return ids
 
     packed = answer(True)
     assert len(packed) == 12 and packed == answer(False)

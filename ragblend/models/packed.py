@@ -6,7 +6,8 @@ reordered once for a batch of one (what inductor's weight prepacking does) reads
 9–50 GB/s, and gave bit-identical outputs in every shape measured (SmolLM2's seven projections
 and its 49k-row LM head). So every ``nn.Linear`` of a bf16 CPU model sends one-row inputs
 there and everything else to ``F.linear`` as before. The reordered weights are a second copy
-of the linear weights (``BlendConfig(packed_decode=False)`` keeps memory at one copy).
+of the linear weights, made when an engine first decodes (``BlendConfig(packed_decode=False)``
+keeps memory at one copy).
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ def available() -> bool:
 
 def pack_one_row_linears(model: nn.Module) -> int:
     """Route one-row inputs of every bf16 CPU ``nn.Linear`` of ``model`` through a prepacked
-    weight; returns how many linears were packed (0 where it does not apply)."""
-    if not available():
+    weight; returns how many linears were newly packed (0 where it does not apply, and once
+    ``model`` is packed: then this returns at once)."""
+    if not available() or getattr(model, _ATTR, False):
         return 0
     packed = 0
     for module in model.modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or w is None or getattr(module, _ATTR, False):
+        if not isinstance(module, nn.Linear) or getattr(module, _ATTR, False):
             continue
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
             continue
         module.forward = _one_row_forward(module)  # type: ignore[method-assign,assignment]
         setattr(module, _ATTR, True)
         packed += 1
+    setattr(model, _ATTR, True)
     return packed
 
 
@@ -49,7 +51,7 @@ def unpack_one_row_linears(model: nn.Module) -> None:
     """Undo :func:`pack_one_row_linears` (the class's own ``forward`` again)."""
     for module in model.modules():
         if getattr(module, _ATTR, False):
-            del module.forward
+            vars(module).pop("forward", None)
             delattr(module, _ATTR)
 
 
