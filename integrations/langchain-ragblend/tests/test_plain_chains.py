@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import QUESTION, TEXTS
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage
 from langchain_core.output_parsers import StrOutputParser
@@ -15,12 +16,6 @@ from langchain_ragblend import ChatRagBlend
 
 pytestmark = pytest.mark.slow
 
-QUESTION = "Where was the author of Hannibal and Scipio educated?"
-TEXTS = [
-    "Hannibal and Scipio is a Caroline era stage play written by Thomas Nabbes in 1635.",
-    "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford.",
-    "Exeter College is a constituent college of the University of Oxford, founded in 1314.",
-]
 DOCS = [Document(page_content=t) for t in TEXTS]
 # the hub's rag-prompt: the question comes before the context
 RAG_PROMPT = ChatPromptTemplate.from_messages(

@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+from conftest import QUESTION, TEXTS
 from langchain_classic.chains import create_retrieval_chain
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -26,12 +27,6 @@ from langchain_ragblend.retrieved import RECORDER
 
 pytestmark = pytest.mark.slow
 
-QUESTION = "Where was the author of Hannibal and Scipio educated?"
-TEXTS = [
-    "Hannibal and Scipio is a Caroline era stage play written by Thomas Nabbes in 1635.",
-    "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford.",
-    "Exeter College is a constituent college of the University of Oxford, founded in 1314.",
-]
 TOP_K = len(TEXTS)
 CONTEXT_PROMPTS = {
     "system": ChatPromptTemplate.from_messages(
