@@ -28,6 +28,7 @@ from ragblend.generation import (
     teacher_forced_logits,
 )
 from ragblend.models.adapters import LayerwiseModel, adapter_for
+from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
 from ragblend.models.packed import pack_one_row_linears
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
@@ -306,11 +307,7 @@ class BlendEngine:
         stats.load_ms = (time.perf_counter() - t_load) * 1000
         fusion = fuse(self.layers, segments, self.chunks.loader(segments), schedule, self.selector)
         stats.recomputed_fraction = fusion.recomputed_fraction
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        for layer, (k, v) in enumerate(zip(fusion.keys, fusion.values, strict=True)):
-            cache.update(k, v, layer)
+        cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)
         fusion.keys, fusion.values = [], []  # now owned by the cache; do not keep two copies
         return Prefill(fusion.logits, cache, prompt.ids, stats, fusion)
 
