@@ -42,9 +42,17 @@ def variants(which: str) -> list[Variant]:
     if which == "smoke":
         return out + [Variant("kv r=0.15", "blend", {"ratio": 0.15})]
     r = 0.15
+    if which == "temperature":  # the cached-row temperature alone, around the grid's T=1.1
+        return out + [
+            Variant("kv r=0.15", "blend", {"ratio": r}),
+            *(
+                Variant(f"kv T={t} r=0.15", "blend", {"ratio": r, "cached_temperature": t})
+                for t in (1.03, 1.06, 1.1)  # 1.06 became the default from this grid
+            ),
+        ]
     if which == "followup":  # temperature × relevance, after the grid's best two options
         return out + [
-            Variant("kv r=0.15 (default)", "blend", {"ratio": r}),
+            Variant("kv r=0.15", "blend", {"ratio": r}),
             Variant("kv T=1.2 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.2}),
             Variant("kv T=1.3 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.3}),
             Variant("relevance-kv T=1.1 r=0.15", "blend", {"ratio": r, **RELEVANCE_KV, **HOT}),
@@ -61,7 +69,7 @@ def variants(which: str) -> list[Variant]:
             Variant("relevance-kv T=1.1 r=0.1", "blend", {"ratio": 0.1, **RELEVANCE_KV, **HOT}),
         ]
     out += [
-        Variant("kv r=0.15 (default)", "blend", {"ratio": r}),
+        Variant("kv r=0.15", "blend", {"ratio": r}),
         Variant("kv r=0.25", "blend", {"ratio": 0.25}),
         Variant("starts16 only (r=0)", "blend", {"ratio": 0.0, **STARTS}),
         Variant("kv+starts16 r=0.15", "blend", {"ratio": r, **STARTS}),
@@ -143,14 +151,16 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--which", default="grid", choices=("grid", "followup", "smoke"))
+    ap.add_argument("--which", default="grid", choices=("grid", "followup", "temperature", "smoke"))
     ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype)
+    # every option off unless a variant sets it (the default temperature included), so a
+    # variant's name says everything it runs with
+    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, cached_temperature=1.0)
     cases = load_cases(
         args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
     )[args.offset :]

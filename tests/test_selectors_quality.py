@@ -9,9 +9,10 @@ from helpers import assert_matches_hf, engine_for, hf_forward
 
 from ragblend import BlendConfig
 from ragblend.errors import RagblendError
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.fusor import fuse
 from ragblend.fusion.rows import prompt_rows
-from ragblend.fusion.selection import SelectionPolicy, cached_key_temper
+from ragblend.fusion.selection import SelectionPolicy, cached_key_temper, last_observed_layer
 from ragblend.fusion.selectors import QuestionRelevanceSelector, RandomSelector
 from ragblend.fusion.trace import SelectionTrace
 
@@ -120,21 +121,36 @@ def test_relevance_kv_combinations_rank_rows_that_are_relevant_and_deviating(tok
     assert kept["relevance-kv"] & (kept["kv-deviation"] - kept["relevance"])
 
 
-def test_temper_divides_only_keys_of_rows_still_served_from_the_cache(tokenizer):
+def test_temper_divides_only_logits_to_rows_still_served_from_the_cache(tokenizer):
     engine = engine_for(tiny_model("llama"), tokenizer)
     engine.precompute(CHUNKS)
     segments, _ = engine.chunks.lookup(engine.tokenize(QUESTION, CHUNKS))
     rows = prompt_rows(segments, "cpu")
     policy = SelectionPolicy(RandomSelector(), cached_temperature=2.0)
     temper = cached_key_temper(policy, rows)
-    keys = torch.randn(1, 2, rows.n, 16)
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, rows.n, 16), torch.randn(1, 2, rows.n, 16)
     computed = rows.candidates[::3]
-    out = temper(keys, computed)
+    q = torch.randn(1, 4, computed.numel(), 16)
+    plan = RowAttentionPlan(computed, 2, q.dtype, None)
+    before = keys.clone()
+    got = temper.attend(q, keys, values, plan, 0.25, computed)
+    assert torch.equal(keys, before)  # restored bit for bit
     stale = rows.cached & ~rows.exact
     stale[computed] = False
-    torch.testing.assert_close(out[:, :, stale], keys[:, :, stale] / 2.0, atol=0, rtol=0)
-    assert torch.equal(out[:, :, ~stale], keys[:, :, ~stale])
-    assert cached_key_temper(SelectionPolicy(RandomSelector()), rows) is None
+    divided = keys.clone()
+    divided[:, :, stale] /= 2.0  # the definition: stale rows' keys, hence logits, divided by T
+    torch.testing.assert_close(
+        got, attend_rows(q, divided, values, plan, 0.25), atol=1e-5, rtol=1e-5
+    )
+    every = rows.candidates  # nothing left stale: plain attention, untouched
+    plan = RowAttentionPlan(every, 2, q.dtype, None)
+    q = torch.randn(1, 4, every.numel(), 16)
+    assert torch.equal(
+        temper.attend(q, keys, values, plan, 0.25, every), attend_rows(q, keys, values, plan, 0.25)
+    )
+    off = SelectionPolicy(RandomSelector(), cached_temperature=1.0)
+    assert cached_key_temper(off, rows) is None
 
 
 def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tokenizer):
@@ -146,7 +162,7 @@ def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tok
         check_scales=None,
     )
     engine.precompute(CHUNKS)
-    plain, _ = _fused(engine)
+    plain, _ = _fused(engine.with_config(cached_temperature=1.0))
     same, _ = _fused(engine.with_config(cached_temperature=1.0, chunk_start_tokens=0))
     assert torch.equal(plain.logits, same.logits)
     hot, _ = _fused(engine.with_config(cached_temperature=2.0))
@@ -156,6 +172,24 @@ def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tok
     stale[plain.selected] = False
     for layer in (2, 3):  # rows not recomputed keep their cached keys, unscaled
         assert torch.equal(hot.keys[layer][:, :, stale], plain.keys[layer][:, :, stale])
+
+
+def test_cached_temperature_is_a_blend_option_and_leaves_full_kv_reuse_alone(tokenizer):
+    engine = engine_for(tiny_model("llama"), tokenizer, cached_temperature=1.0)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    reuse = engine.prefill(prompt, "reuse").logits
+    hot = engine.with_config(cached_temperature=2.0)
+    assert torch.equal(hot.prefill(prompt, "reuse").logits, reuse)
+    blend = engine.prefill(prompt, "blend").logits
+    assert not torch.equal(hot.prefill(prompt, "blend").logits, blend)
+
+
+def test_options_around_a_one_layer_selector_do_not_make_the_fusor_show_it_every_layer():
+    plain = SelectionPolicy(RandomSelector(), cached_temperature=1.06, chunk_start_tokens=4)
+    assert last_observed_layer(plain, (1, 10)) == -1
+    relevance = SelectionPolicy(QuestionRelevanceSelector(), cached_temperature=1.06)
+    assert last_observed_layer(relevance, (1, 10)) == 10
 
 
 class PeakedSelector:

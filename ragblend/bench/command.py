@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         "check_scales": list(config.check_scales) if config.check_scales else None,
         "selector": config.selector,
         "deviation": config.deviation,
+        "cached_temperature": config.cached_temperature,
         "precompute_context": config.precompute_context,
         "tier": args.tier,
         "kv_dtype": engine.kv_dtype,

@@ -89,7 +89,7 @@ def fuse(
     plans: dict[int | None, RowAttentionPlan] = {}
     watched = last_observed_layer(selector, checks)  # multi-layer selectors see layers <= it
     memory: dict = {}  # their scratch space for this prefill
-    temper = cached_key_temper(selector, rows)
+    temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
     for layer, k_cached, v_cached in layers:
         # project
         proj = model.project(layer, hidden, cos, sin)
@@ -127,8 +127,10 @@ def fuse(
         plan = plans.get(window)
         if plan is None:
             plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window, rows.n)
-        k_attn = k_full if temper is None else temper(k_full, computed)
-        attn = attend_rows(q, k_attn, v_cached, plan, model.scaling(layer))
+        if temper is None:
+            attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
+        else:
+            attn = temper.attend(q, k_full, v_cached, plan, model.scaling(layer), computed)
         # finish
         hidden = model.finish(layer, hidden, attn)
         keys.append(k_full)

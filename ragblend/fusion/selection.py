@@ -7,17 +7,18 @@ that a plain selector (scores only) keeps working unchanged:
   layer (:class:`LayerObserver`);
 - :func:`choose_rows`: which candidates a check layer keeps for a row budget (top-k unless a
   :class:`SelectionPolicy` says otherwise);
-- :func:`cached_key_temper`: the keys attention uses on a layer, with the rows still served
-  from the cache tempered (APE).
+- :func:`cached_key_temper`: how attention tempers the rows still served from the cache
+  (APE), :class:`CachedKeyTemperature`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.selectors import CheckLayer, TokenSelector
 
 if TYPE_CHECKING:
@@ -40,8 +41,13 @@ def observe(selector: TokenSelector | None, check: CheckLayer) -> None:
 
 
 def last_observed_layer(selector: TokenSelector | None, check_layers: Iterable[int]) -> int:
-    """The last layer the fusor must show ``selector`` (-1: only its check layers)."""
-    if not isinstance(selector, LayerObserver):
+    """The last layer the fusor must show ``selector`` (-1: only its check layers).
+
+    A :class:`SelectionPolicy` observes only when the selector it wraps does: showing layers
+    costs the fusor a rotated copy of the cached keys and a :class:`CheckLayer` per layer.
+    """
+    inner = selector.inner if isinstance(selector, SelectionPolicy) else selector
+    if not isinstance(inner, LayerObserver):
         return -1
     return max(check_layers, default=-1)
 
@@ -64,26 +70,60 @@ def choose_rows(
 
 def cached_key_temper(
     selector: TokenSelector | None, rows: PromptRows
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """A function (keys [1, Hkv, N, d] post-RoPE, rows computed on this layer) → the keys
-    attention should use, or ``None`` when no temperature is set.
-
-    Rows with a non-exact cache that were not computed on the layer get their keys divided by
-    the temperature T: every query's logit to them is scaled by 1/T (APE). The returned tensor
-    is a new one; the keys kept for decoding stay the model's.
-    """
+) -> CachedKeyTemperature | None:
+    """The attention temperature of ``selector``'s options for this prompt, or ``None`` when
+    no temperature is set (T = 1)."""
     if not isinstance(selector, SelectionPolicy) or selector.cached_temperature == 1.0:
         return None
-    approximate = rows.cached & ~rows.exact
-    inverse = 1.0 / selector.cached_temperature
+    return CachedKeyTemperature(selector.cached_temperature, rows.cached & ~rows.exact)
 
-    def temper(keys: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
-        stale = approximate.clone()
-        stale[computed] = False
-        factor = torch.where(stale, inverse, 1.0).to(keys.dtype)
-        return keys * factor.view(1, 1, -1, 1)
 
-    return temper
+class CachedKeyTemperature:
+    """APE's temperature T on rows still served from the cache: attention logits to rows with
+    a non-exact cache that were not recomputed on the layer are divided by T.
+
+    Applied through SDPA's scale (every logit × 1/T) while the other rows' keys are multiplied
+    by T for the call and restored bit for bit after it: O(recomputed rows) work per layer
+    instead of a scaled copy of every key. The keys kept for decoding stay the model's.
+    ``approximate`` is bool [N]: rows with a non-exact cache.
+    """
+
+    def __init__(self, temperature: float, approximate: torch.Tensor) -> None:
+        self.temperature = float(temperature)
+        self.approximate = approximate
+        self._computed: torch.Tensor | None = None
+        self._unscaled: torch.Tensor | None = None
+
+    def unscaled_rows(self, computed: torch.Tensor) -> torch.Tensor | None:
+        """Rows whose logits keep scale 1 when ``computed`` rows were recomputed on the layer,
+        or ``None`` when no row is still served from the cache (nothing to temper)."""
+        if self._computed is not computed:  # the active rows change only at check layers
+            stale = self.approximate.clone()
+            stale[computed] = False
+            self._unscaled = (~stale).nonzero().squeeze(1) if bool(stale.any()) else None
+            self._computed = computed
+        return self._unscaled
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        plan: RowAttentionPlan,
+        scaling: float,
+        computed: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`attend_rows` with stale rows' logits divided by T; ``keys`` [1, Hkv, N, d]
+        is modified during the call and holds its own values again when it returns."""
+        rows = self.unscaled_rows(computed)
+        if rows is None:
+            return attend_rows(q, keys, values, plan, scaling)
+        original = keys.index_select(2, rows)
+        keys.index_copy_(2, rows, original * self.temperature)
+        try:
+            return attend_rows(q, keys, values, plan, scaling / self.temperature)
+        finally:
+            keys.index_copy_(2, rows, original)
 
 
 class SelectionPolicy:
