@@ -84,7 +84,8 @@ class CachedKeyTemperature:
 
     Applied through SDPA's scale (every logit × 1/T) while the other rows' keys are multiplied
     by T for the call and restored bit for bit after it: O(recomputed rows) work per layer
-    instead of a scaled copy of every key. The keys kept for decoding stay the model's.
+    instead of a scaled copy of every key. The keys kept for decoding stay the model's. In
+    bf16/fp16 the keys × T round once, so the unscaled rows' logits carry that rounding.
     ``approximate`` is bool [N]: rows with a non-exact cache.
     """
 
