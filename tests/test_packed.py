@@ -9,7 +9,13 @@ from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from torch import nn
 
 from ragblend import BlendConfig, BlendEngine
-from ragblend.models.packed import available, pack_one_row_linears, unpack_one_row_linears
+from ragblend.models import packed as packing
+from ragblend.models.packed import (
+    available,
+    pack_one_row_linears,
+    qkv_projections,
+    unpack_one_row_linears,
+)
 
 pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
 
@@ -35,6 +41,27 @@ def test_only_bf16_cpu_linears_are_packed():
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert pack_one_row_linears(model) == linears
     assert pack_one_row_linears(model) == 0  # already packed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_qkv_and_gate_up_equal_the_separate_linears_bit_for_bit(family):
+    torch.manual_seed(0)
+    model = tiny_model(family, dtype=torch.bfloat16)
+    block = model.model.layers[0]
+    attn, mlp = block.self_attn, block.mlp
+    x1 = torch.randn(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    x5 = torch.randn(1, 5, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want_qkv = attn.q_proj(x1), attn.k_proj(x1), attn.v_proj(x1)
+        want_mlp1, want_mlp5 = mlp(x1), mlp(x5)
+        pack_one_row_linears(model)
+        assert packing._QKV in vars(attn) and "forward" in vars(mlp)  # the fused paths exist
+        got_qkv = qkv_projections(attn, x1)
+        assert all(torch.equal(g, w) for g, w in zip(got_qkv, want_qkv, strict=True))
+        assert torch.equal(mlp(x1), want_mlp1) and torch.equal(mlp(x5), want_mlp5)
+        unpack_one_row_linears(model)
+        assert packing._QKV not in vars(attn) and "forward" not in vars(mlp)
+        assert torch.equal(mlp(x1), want_mlp1)
 
 
 def _packed(model: nn.Module) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 
 from ragblend.errors import UnsupportedModelError
+from ragblend.models.packed import qkv_projections
 
 
 @dataclass
@@ -106,10 +107,12 @@ class LayerwiseModel:
 
     def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        return q, k, v
+        q, k, v = qkv_projections(attn, x)
+        return (
+            q.view(shape).transpose(1, 2),
+            k.view(shape).transpose(1, 2),
+            v.view(shape).transpose(1, 2),
+        )
 
     def project(
         self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -151,10 +154,12 @@ class Qwen3Layerwise(Qwen2Layerwise):
 
     def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        return q, k, v
+        q, k, v = qkv_projections(attn, x)
+        return (
+            attn.q_norm(q.view(shape)).transpose(1, 2),
+            attn.k_norm(k.view(shape)).transpose(1, 2),
+            v.view(shape).transpose(1, 2),
+        )
 
 
 ADAPTERS: dict[str, type[LayerwiseModel]] = {

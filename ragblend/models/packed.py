@@ -5,20 +5,27 @@ those weights at 7–25 GB/s on the benchmark machine; the same oneDNN primitive
 reordered once for a batch of one (what inductor's weight prepacking does) reads them at
 9–50 GB/s, and gave bit-identical outputs in every shape measured (SmolLM2's seven projections
 and its 49k-row LM head). So every ``nn.Linear`` of a bf16 CPU model sends one-row inputs
-there and everything else to ``F.linear`` as before. The reordered weights are a second copy
-of the linear weights, made when an engine first decodes (``BlendConfig(packed_decode=False)``
-keeps memory at one copy).
+there and everything else to ``F.linear`` as before. Linears that read the same input are
+also fused for one row — an attention's q/k/v, an MLP's gate/up — into one GEMM over their
+stacked weights: each output column is the same dot product, so the values stay identical,
+and a step makes 3 calls fewer per layer (≈10 % of a step at 3.2k tokens). The reordered
+weights are a second copy of the linear weights, made when an engine first decodes
+(``BlendConfig(packed_decode=False)`` keeps memory at one copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _ATTR = "_ragblend_packed"
+_QKV = "_ragblend_packed_qkv"  # on an attention module: one-row x → (q, k, v)
+
+Fused = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def available() -> bool:
@@ -30,29 +37,58 @@ def available() -> bool:
 
 def pack_one_row_linears(model: nn.Module) -> int:
     """Route one-row inputs of every bf16 CPU ``nn.Linear`` of ``model`` through a prepacked
-    weight; returns how many linears were newly packed (0 where it does not apply, and once
-    ``model`` is packed: then this returns at once)."""
+    weight, and fuse q/k/v and gate/up for them; returns how many linears were newly packed
+    (0 where it does not apply, and once ``model`` is packed: then this returns at once)."""
     if not available() or getattr(model, _ATTR, False):
         return 0
     packed = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or getattr(module, _ATTR, False):
-            continue
-        if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
+        if not _packable(module) or getattr(module, _ATTR, False):
             continue
         module.forward = _one_row_forward(module)  # type: ignore[method-assign,assignment]
         setattr(module, _ATTR, True)
         packed += 1
+    for module in model.modules():
+        qkv = _fused(module, ("q_proj", "k_proj", "v_proj"))
+        if qkv is not None:
+            setattr(module, _QKV, qkv)
+        gate_up = _fused(module, ("gate_proj", "up_proj"))
+        if gate_up is not None and callable(getattr(module, "act_fn", None)):
+            module.forward = _one_row_mlp(module, gate_up)
+            setattr(module, _ATTR, True)
     setattr(model, _ATTR, True)
     return packed
 
 
 def unpack_one_row_linears(model: nn.Module) -> None:
-    """Undo :func:`pack_one_row_linears` (the class's own ``forward`` again)."""
+    """Undo :func:`pack_one_row_linears` (the classes' own ``forward`` again)."""
     for module in model.modules():
+        vars(module).pop(_QKV, None)
         if getattr(module, _ATTR, False):
             vars(module).pop("forward", None)
             delattr(module, _ATTR)
+
+
+def qkv_projections(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)``: one fused GEMM for a packed
+    model's one-row bf16 input, the three modules otherwise (the same values either way)."""
+    fused: Fused | None = vars(attn).get(_QKV)
+    if fused is not None and _one_row(x):
+        return fused(x)
+    mods: Any = attn
+    return mods.q_proj(x), mods.k_proj(x), mods.v_proj(x)
+
+
+def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
+    return (
+        isinstance(module, nn.Linear)
+        and module.weight.dtype == torch.bfloat16
+        and module.weight.device.type == "cpu"
+    )
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and not x.requires_grad
 
 
 def _one_row_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -61,8 +97,45 @@ def _one_row_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and not x.requires_grad:
+        if _one_row(x):
             return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
         return F.linear(x, weight, bias)
+
+    return forward
+
+
+def _fused(module: nn.Module, names: Sequence[str]) -> Fused | None:
+    """One prepacked GEMM over the stacked weights of ``module``'s linears ``names`` (same
+    input size, all with or all without bias), split back into their outputs; or None."""
+    linears = [getattr(module, name, None) for name in names]
+    if not all(isinstance(lin, nn.Linear) and _packable(lin) for lin in linears):
+        return None
+    layers: list[nn.Linear] = linears  # type: ignore[assignment]
+    with_bias = [lin.bias is not None for lin in layers]
+    if len({lin.in_features for lin in layers}) != 1 or len(set(with_bias)) != 1:
+        return None
+    with torch.no_grad():
+        stacked = torch.cat([lin.weight.detach() for lin in layers]).contiguous()
+        reordered = torch.ops.mkldnn._reorder_linear_weight(stacked, 1)
+        bias = torch.cat([lin.bias.detach() for lin in layers]) if with_bias[0] else None
+    sizes = [lin.out_features for lin in layers]
+
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+        return out.split(sizes, dim=-1)
+
+    return forward
+
+
+def _one_row_mlp(mlp: nn.Module, gate_up: Fused) -> Callable[[torch.Tensor], torch.Tensor]:
+    """HF's gated MLP, ``down(act(gate(x)) * up(x))``, with gate/up fused for one row."""
+    mods: Any = mlp
+    own = type(mlp).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _one_row(x):
+            return own(mlp, x)
+        gate, up = gate_up(x)
+        return mods.down_proj(mods.act_fn(gate) * up)
 
     return forward
