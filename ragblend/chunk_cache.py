@@ -30,6 +30,7 @@ from ragblend.prompt import (
 from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.keys import chunk_key
 from ragblend.store.quant import pack
+from ragblend.threads import core_free_for_a_reader
 
 
 class ChunkCache:
@@ -98,8 +99,10 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ computing KV
     def loader(self, segments: Sequence[Segment]) -> LayerLoader:
-        """The layer loader feeding ``segments``' cached K/V to the fusor."""
+        """The layer loader feeding ``segments``' cached K/V to the fusor: reading ahead on a
+        thread (the store's ``prefetch_depth``) only where a core is free for it."""
         lay = self.layers
+        ahead = self.store.prefetch_depth if core_free_for_a_reader(lay.device) else 0
         return LayerLoader(
             [s.kv for s in segments],
             [len(s) for s in segments],
@@ -108,7 +111,7 @@ class ChunkCache:
             lay.head_dim,
             lay.device,
             lay.dtype,
-            prefetch=self.store.prefetch_depth,
+            prefetch=ahead,
         )
 
     def compute_kv(

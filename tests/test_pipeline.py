@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 from conftest import CHUNKS, QUESTION, tiny_model
 
-from ragblend import BlendConfig, BlendEngine
+from ragblend import BlendConfig, BlendEngine, chunk_cache, threads
 from ragblend.errors import CorruptEntryError
 from ragblend.fusion.layer_loader import LayerLoader
 from ragblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore
@@ -130,7 +131,11 @@ def test_cuda_pipeline_matches_the_cpu_loader():
         assert torch.equal(k.cpu(), cpu[layer][0]) and torch.equal(v.cpu(), cpu[layer][1])
 
 
-def test_engine_prefetches_for_disk_stores_only(tokenizer, tmp_path):
+@pytest.mark.parametrize("free_core", [True, False])
+def test_engine_prefetches_for_disk_stores_only_and_only_with_a_core_free(
+    free_core, tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(chunk_cache, "core_free_for_a_reader", lambda device: free_core)
     model = tiny_model("llama")
     for store, depth in [
         (MemoryStore(), 0),
@@ -138,11 +143,24 @@ def test_engine_prefetches_for_disk_stores_only(tokenizer, tmp_path):
         (TieredStore(MemoryStore(), DiskStore(tmp_path / "t", 1 << 30, fsync=False)), 2),
     ]:
         engine = BlendEngine(model, tokenizer, BlendConfig(), store)
-        assert engine.chunks.loader([]).prefetch == depth
+        assert engine.chunks.loader([]).prefetch == (depth if free_core else 0)
 
 
+def test_a_cpu_reader_needs_more_cores_than_torch_threads(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert not threads.core_free_for_a_reader(torch.device("cpu"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores - 1)
+    assert threads.core_free_for_a_reader(torch.device("cpu"))
+    assert threads.core_free_for_a_reader(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("free_core", [True, False])  # read ahead on a thread, or when due
 @pytest.mark.parametrize("tier", ["disk", "tiered"])
-def test_pipelined_disk_prefill_equals_the_ram_store_prefill(tier, tokenizer, tmp_path):
+def test_pipelined_disk_prefill_equals_the_ram_store_prefill(
+    tier, free_core, tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(chunk_cache, "core_free_for_a_reader", lambda device: free_core)
     model = tiny_model("qwen3")
     ram = BlendEngine(model, tokenizer, BlendConfig(), MemoryStore())
     disk = DiskStore(tmp_path, 1 << 30, fsync=False)

@@ -148,7 +148,8 @@ class KVStore(Protocol):
 
     @property
     def prefetch_depth(self) -> int:
-        """Layers the layer loader may read ahead on a reader thread (0: entries in memory)."""
+        """Layers the layer loader may read ahead on a reader thread (0: entries in memory;
+        the engine uses it only where a core is free for that thread)."""
         ...
 
     def get(self, key: str) -> KVEntry | None:

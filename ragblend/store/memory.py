@@ -14,7 +14,7 @@ class MemoryStore:
 
     Holds entries as stored (a quantised entry stays quantised); ``prefetch_depth`` turns 2 once
     an entry needs decoding (another storage than compute dtype), so the layer loader decodes
-    on its reader thread instead of inside the fusion loop.
+    on its reader thread (where a core is free for it) instead of inside the fusion loop.
     """
 
     tier = "ram"
