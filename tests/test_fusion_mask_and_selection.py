@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +9,7 @@ from conftest import CHUNKS, QUESTION, tiny_model
 from helpers import engine_for
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.attention import (
-    RowAttentionPlan,
-    attend_rows,
-    block_cost,
-    position_mask,
-    row_blocks,
-)
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import Segment, fuse
 from ragblend.fusion.trace import SelectionTrace
 from ragblend.store.base import ChunkKV
@@ -200,37 +192,3 @@ def test_a_maskless_causal_plan_refuses_keys_of_another_length():
     k = v = torch.randn(1, 2, 320, 8)
     with pytest.raises(RagblendError, match="300 keys, got 320"):
         attend_rows(q, k, v, plan, 0.3)
-
-
-def _partition_cost(positions, blocks, groups, heads, threads):
-    return sum(
-        block_cost(groups * (b - a), positions[b - 1] + 1, heads, threads) for a, b in blocks
-    )
-
-
-def test_row_blocks_cover_every_row_in_order_at_the_least_modelled_cost():
-    torch.manual_seed(2)
-    for m, n in [(12, 4000), (9, 200), (40, 3200)]:
-        positions = sorted(torch.randperm(n)[:m].tolist())
-        blocks = row_blocks(positions, groups=3, heads=3, threads=2)
-        assert blocks[0][0] == 0 and blocks[-1][1] == m
-        assert all(b1 == a2 for (_, b1), (a2, _) in itertools.pairwise(blocks))
-        chosen = _partition_cost(positions, blocks, 3, 3, 2)
-        # every partition (m <= 12), or every one into at most 4 blocks (m = 40); m <= 64
-        # makes every row a candidate split point
-        best = min(
-            _partition_cost(positions, list(itertools.pairwise((0, *cuts, m))), 3, 3, 2)
-            for k in range(m if m <= 12 else 4)
-            for cuts in itertools.combinations(range(1, m), k)
-        )
-        assert chosen <= best
-    assert row_blocks([], 3, 3, 2) == []
-
-
-def test_fuse_refuses_a_loader_that_skips_a_layer(tokenizer):
-    engine = engine_for(tiny_model("llama"), tokenizer)
-    engine.precompute(CHUNKS)
-    segments, _ = engine.chunks.lookup(engine.tokenize(QUESTION, CHUNKS))
-    skipping = (item for item in engine.chunks.loader(segments) if item[0] != 1)
-    with pytest.raises(RagblendError, match="gave layer 2 where layer 1 was due"):
-        fuse(engine.layers, segments, skipping, None)

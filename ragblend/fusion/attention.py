@@ -7,61 +7,10 @@ import torch.nn.functional as F
 
 from ragblend.errors import RagblendError
 
-# How selected rows are cut into position-ordered blocks (each block only reads keys up to its
-# last row). SDPA's CPU flash kernel splits a call's query rows per head into tiles of 32
-# (< 192 rows), 64 (< 768) or 256 rows, and its threads take (head, tile) pairs in turn, so a
-# block costs about (tiles per thread) × tile × keys — a 32-row tile measured as slow as a
-# 64-row one — plus a fixed cost per call, in the same row·key units (≈ 1 ns each on the
-# benchmark CPU; one call ≈ 20 µs). Blocks are chosen to minimise the sum: a staircase close
-# to causal attention's, in tiles the kernel fills.
-CALL_COST = 20_000
-SPLIT_POINTS = 64  # at most this many candidate block boundaries per plan
-
-
-def query_tile(rows: int) -> int:
-    """Query rows per tile of SDPA's CPU flash kernel for a call with ``rows`` rows per head."""
-    return 256 if rows >= 768 else 64 if rows >= 192 else 32
-
-
-def block_cost(rows: int, keys: int, heads: int, threads: int) -> float:
-    """Modelled cost of one SDPA call: ``rows`` query rows per head over ``keys`` keys."""
-    tile = query_tile(rows)
-    tiles = heads * -(-rows // tile)
-    return CALL_COST + -(-tiles // threads) * max(tile, 64) * keys
-
-
-def row_blocks(
-    positions: list[int],
-    groups: int,
-    heads: int,
-    threads: int,
-    sliding_window: int | None = None,
-) -> list[tuple[int, int]]:
-    """Split ascending positions into contiguous [start, end) blocks of least total
-    :func:`block_cost` (dynamic programming over evenly spaced split points). A block of r
-    selected rows is one call with ``groups`` × r query rows for each of ``heads`` KV heads."""
-    m = len(positions)
-    if m == 0:
-        return []
-    step = max(1, -(-m // SPLIT_POINTS))
-    points = [*range(0, m, step), m]
-
-    def keys(a: int, b: int) -> int:
-        start = 0 if sliding_window is None else max(0, positions[a] - int(sliding_window) + 1)
-        return positions[b - 1] + 1 - start
-
-    best: dict[int, tuple[float, int]] = {0: (0.0, 0)}
-    for j in points[1:]:
-        best[j] = min(
-            (best[i][0] + block_cost(groups * (j - i), keys(i, j), heads, threads), i)
-            for i in points
-            if i < j
-        )
-    bounds = [m]
-    while bounds[-1]:
-        bounds.append(best[bounds[-1]][1])
-    bounds.reverse()
-    return list(zip(bounds, bounds[1:]))
+# Selected rows are split into this many position-ordered blocks at most; each block only
+# reads keys up to its last row's position, which recovers most of causal attention's saving.
+MAX_BLOCKS = 16
+MIN_BLOCK_ROWS = 96
 
 
 def position_mask(
@@ -84,6 +33,14 @@ def position_mask(
     return mask
 
 
+def row_blocks(positions: list[int], max_blocks: int = MAX_BLOCKS) -> list[tuple[int, int]]:
+    """Split ascending positions into contiguous [start, end) blocks of similar size."""
+    m = len(positions)
+    count = max(1, min(max_blocks, m // MIN_BLOCK_ROWS))
+    bounds = [round(i * m / count) for i in range(count + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 class RowAttentionPlan:
     """Blocks and additive masks for one set of query positions, reused across layers.
 
@@ -99,7 +56,6 @@ class RowAttentionPlan:
         dtype: torch.dtype,
         sliding_window: int | None,
         num_keys: int | None = None,
-        kv_heads: int = 1,
     ) -> None:
         pos = positions.tolist()
         self.num_rows = len(pos)
@@ -112,9 +68,7 @@ class RowAttentionPlan:
         self.causal_only = self.causal_start is not None and num_keys == pos[-1] + 1
         if self.causal_only:
             return  # attend_rows takes the causal path for these keys: no masks needed
-        # On a GPU every tile runs at once: one "thread" makes the cost the block's area.
-        threads = torch.get_num_threads() if positions.device.type == "cpu" else 1
-        for a, b in row_blocks(pos, groups, kv_heads, threads, sliding_window):
+        for a, b in row_blocks(pos):
             end = pos[b - 1] + 1
             start = 0 if sliding_window is None else max(0, pos[a] - int(sliding_window) + 1)
             allowed = position_mask(positions[a:b], end - start, sliding_window, key_start=start)

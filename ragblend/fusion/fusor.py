@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +90,9 @@ def fuse(
     watched = last_observed_layer(selector, checks)  # multi-layer selectors see layers <= it
     memory: dict = {}  # their scratch space for this prefill
     temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
-    loaded = iter(layers)
-    for layer in range(model.num_layers):
-        # project (before the layer's cache is read in: then attention finds it in CPU caches)
+    for layer, k_cached, v_cached in layers:
+        # project
         proj = model.project(layer, hidden, cos, sin)
-        k_cached, v_cached = _next_layer(loaded, layer)
         if trace is not None:
             trace.projected(layer, proj, active)
         # select (scores compare fresh rows with the still-unmodified pre-RoPE cache)
@@ -128,9 +126,7 @@ def fuse(
         window = model.sliding_window(layer)
         plan = plans.get(window)
         if plan is None:
-            plan = plans[window] = RowAttentionPlan(
-                active, groups, q.dtype, window, rows.n, kv_heads=model.num_kv_heads
-            )
+            plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window, rows.n)
         if temper is None:
             attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
         else:
@@ -140,8 +136,6 @@ def fuse(
         keys.append(k_full)
         values.append(v_cached)
 
-    for extra, _, _ in loaded:
-        raise RagblendError(f"the cache has a layer {extra}; the model has {model.num_layers}")
     return FusionResult(
         logits=model.logits(hidden[:, -1:])[-1],
         keys=keys,
@@ -150,17 +144,6 @@ def fuse(
         candidates=int(rows.candidates.numel()),
         selected=active,
     )
-
-
-def _next_layer(
-    loaded: Iterator[tuple[int, torch.Tensor, torch.Tensor]], layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached K and V of ``layer``: the next item of ``loaded``, which must be that layer."""
-    item = next(loaded, None)
-    if item is None or item[0] != layer:
-        found = "nothing" if item is None else f"layer {item[0]}"
-        raise RagblendError(f"the layer loader gave {found} where layer {layer} was due")
-    return item[1], item[2]
 
 
 def select_rows(
