@@ -80,10 +80,10 @@ def core_free_for_a_reader(device: torch.device) -> bool:
     """Whether a thread that reads cached K/V ahead can run beside the compute on ``device``
     without taking a core from it: always beside a GPU; on CPU only when the process may use
     more cores than torch's intra-op threads. Otherwise the reader preempts one of the OpenMP
-    team, and the team waits for it at every barrier: on the 2-core benchmark machine, reading
-    the disk tier two layers ahead on a thread made a blend prefill slower than reading each
-    layer when it is due: 0.94× the time read when due with a warm page cache, 0.87–0.97×
-    with a cold one (three interleaved runs)."""
+    team, and the team waits for it at every barrier. On the 2-core benchmark machine a blend
+    prefill from the disk tier that reads each layer when it is due takes 0.94× the time of one
+    reading two layers ahead on a thread with a warm page cache, 0.87–0.97× with a cold one
+    (three interleaved runs)."""
     if device.type != "cpu":
         return True
     getaffinity = getattr(os, "sched_getaffinity", None)

@@ -118,7 +118,7 @@ def _fused(module: nn.Module, names: Sequence[str]) -> Fused | None:
     """One prepacked GEMM over the stacked weights of ``module``'s linears ``names`` (same
     input size, all with or all without bias), split back into their outputs; or None."""
     linears = [getattr(module, name, None) for name in names]
-    if not all(isinstance(lin, nn.Linear) and _packable(lin) for lin in linears):
+    if not all(lin is not None and _packable(lin) for lin in linears):
         return None
     layers: list[nn.Linear] = linears  # type: ignore[assignment]
     with_bias = [lin.bias is not None for lin in layers]
