@@ -24,6 +24,8 @@ from torch import nn
 
 _ATTR = "_ragblend_packed"
 _QKV = "_ragblend_packed_qkv"  # on an attention module: one-row x → (q, k, v)
+_QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+_GATE_UP_NAMES = ("gate_proj", "up_proj")
 
 Fused = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -50,15 +52,16 @@ def pack_one_row_linears(model: nn.Module) -> int:
         return 0
     fused: set[int] = set()
     for module in model.modules():
-        qkv = _fused(module, ("q_proj", "k_proj", "v_proj"))
+        qkv = _fused(module, _QKV_NAMES)
         if qkv is not None:
             setattr(module, _QKV, qkv)
-            fused.update(id(getattr(module, name)) for name in ("q_proj", "k_proj", "v_proj"))
-        gate_up = _fused(module, ("gate_proj", "up_proj"))
-        if gate_up is not None and callable(getattr(module, "act_fn", None)):
+            fused.update(id(getattr(module, name)) for name in _QKV_NAMES)
+        gated = callable(getattr(module, "act_fn", None))
+        gate_up = _fused(module, _GATE_UP_NAMES) if gated else None
+        if gate_up is not None:
             module.forward = _one_row_mlp(module, gate_up)
             setattr(module, _ATTR, True)
-            fused.update(id(getattr(module, name)) for name in ("gate_proj", "up_proj"))
+            fused.update(id(getattr(module, name)) for name in _GATE_UP_NAMES)
     packed = len(fused)
     for module in model.modules():
         if not _packable(module) or id(module) in fused or getattr(module, _ATTR, False):
@@ -101,15 +104,26 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and not x.requires_grad
 
 
+def _prepacked(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.linear(x, weight, bias)`` for one-row ``x``, on ``weight`` reordered once by oneDNN
+    for a batch of one."""
+    with torch.no_grad():
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+
+    return linear
+
+
 def _one_row_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     weight, bias = module.weight, module.bias
-    with torch.no_grad():
-        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    packed = _prepacked(weight, bias)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if _one_row(x):
-            return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
-        return F.linear(x, weight, bias)
+        return packed(x) if _one_row(x) else F.linear(x, weight, bias)
 
     return forward
 
@@ -125,14 +139,13 @@ def _fused(module: nn.Module, names: Sequence[str]) -> Fused | None:
     if len({lin.in_features for lin in layers}) != 1 or len(set(with_bias)) != 1:
         return None
     with torch.no_grad():
-        stacked = torch.cat([lin.weight.detach() for lin in layers]).contiguous()
-        reordered = torch.ops.mkldnn._reorder_linear_weight(stacked, 1)
+        stacked = torch.cat([lin.weight.detach() for lin in layers])
         bias = torch.cat([lin.bias.detach() for lin in layers]) if with_bias[0] else None
+    packed = _prepacked(stacked, bias)
     sizes = [lin.out_features for lin in layers]
 
     def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
-        return out.split(sizes, dim=-1)
+        return packed(x).split(sizes, dim=-1)
 
     return forward
 
