@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ragblend.errors import RagblendError
+from ragblend.fusion.native import ROW_ATTENTION, RowAttention
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
@@ -52,6 +53,11 @@ class BlendConfig:
         weights prepacked for one row (``ragblend.models.packed``): faster decoding, identical
         outputs, a second copy of the linear weights in memory from the first decode on (an
         engine that only precomputes never makes it). ``False``: one copy.
+    row_attention: how blend's selected rows attend: ``"auto"`` (ragblend's native kernel
+        where it runs — bf16 on CPUs with AMX-BF16, compiled on first use — else SDPA in
+        masked blocks; a capable CPU that cannot build it logs a warning), ``"native"``
+        (an error where it cannot run) or ``"sdpa"``. Same attention either way, to bf16
+        rounding; see ``ragblend.fusion.native``.
     """
 
     ratio: float | Literal["auto"] = 0.15
@@ -78,6 +84,7 @@ class BlendConfig:
     kv_dtype: str = "auto"
     max_new_tokens: int = 64
     packed_decode: bool = True
+    row_attention: RowAttention = "auto"
     ram_bytes: int = 4 << 30
     extra: dict = field(default_factory=dict)
 
@@ -107,6 +114,11 @@ class BlendConfig:
             )
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
+        if self.row_attention not in ROW_ATTENTION:
+            raise RagblendError(
+                f"unknown row_attention {self.row_attention!r}; "
+                f"expected one of {', '.join(ROW_ATTENTION)}"
+            )
         if self.precompute_context not in ("prefix", "canonical", "filler", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 

@@ -16,6 +16,7 @@ from ragblend.chunk_cache import ChunkCache
 from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fusion.fusor import fuse
+from ragblend.fusion.native import RowKernel, row_attention_kernel
 from ragblend.fusion.selectors import TokenSelector, make_selector
 from ragblend.generation import (
     BlendResult,
@@ -76,6 +77,7 @@ class BlendEngine:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
+        self.row_kernel = self._row_kernel(self.config)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
         self.on_miss: Callable[[list[str]], None] | None = None
@@ -121,6 +123,7 @@ class BlendEngine:
             view.selector = selector
         else:
             view.selector = make_selector(view.config)
+        view.row_kernel = view._row_kernel(view.config)
         view.chunks = ChunkCache(
             self.layers,
             self.tokenizer,
@@ -131,6 +134,17 @@ class BlendEngine:
         if store is not None or controller is not None:
             view.controller = controller
         return view
+
+    def _row_kernel(self, config: BlendConfig) -> RowKernel | None:
+        layers = self.layers
+        return row_attention_kernel(
+            config.row_attention, layers.dtype, layers.device, layers.head_dim
+        )
+
+    @property
+    def row_attention(self) -> str:
+        """The selected-row attention blend runs: ``"native"`` or ``"sdpa"``."""
+        return "sdpa" if self.row_kernel is None else "native"
 
     # ------------------------------------------------------------------ prompts and keys
     @property
@@ -305,7 +319,14 @@ class BlendEngine:
                 stats.ratio = r
                 schedule = None if r >= 1.0 else self.config.schedule(r)
         stats.load_ms = (time.perf_counter() - t_load) * 1000
-        fusion = fuse(self.layers, segments, self.chunks.loader(segments), schedule, self.selector)
+        fusion = fuse(
+            self.layers,
+            segments,
+            self.chunks.loader(segments),
+            schedule,
+            self.selector,
+            row_kernel=self.row_kernel,
+        )
         stats.recomputed_fraction = fusion.recomputed_fraction
         cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)
         fusion.keys, fusion.values = [], []  # now owned by the cache; do not keep two copies

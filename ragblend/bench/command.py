@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import cast
 
 from ragblend.config import KV_DTYPES, MODES, BlendConfig
+from ragblend.fusion.native import ROW_ATTENTION
 
 
 def add_parser(sub) -> None:
@@ -42,6 +43,12 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
     p.add_argument(
+        "--row-attention",
+        choices=ROW_ATTENTION,
+        default=None,
+        help="blend's selected-row attention: auto (default) / native / sdpa",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
         default=None,
@@ -75,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"device": args.device}
     if args.dtype:
         overrides["dtype"] = args.dtype
+    if args.row_attention:
+        overrides["row_attention"] = args.row_attention
     if args.ratio is not None:
         overrides["ratio"] = args.ratio
     if args.selector:
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "model": engine.name,
         "device": args.device,
         "dtype": str(engine.layers.dtype).replace("torch.", ""),
+        "row_attention": engine.row_attention,
         "top_k": args.top_k,
         "chunk_tokens": args.chunk_tokens,
         "ratio": config.ratio,

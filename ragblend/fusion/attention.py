@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend.errors import RagblendError
+from ragblend.fusion.native import RowKernel
 
 # Selected rows are split into this many position-ordered blocks at most; each block only
 # reads keys up to its last row's position, which recovers most of causal attention's saving.
@@ -46,7 +47,9 @@ class RowAttentionPlan:
 
     The selected rows only change at check layers, so masks are built once per selection
     (and sliding window) instead of once per layer. Given ``num_keys`` (the prompt length),
-    rows that end the prompt contiguously get no masks: they take the causal path.
+    rows that end the prompt contiguously get no masks: they take the causal path. Given a
+    native ``kernel`` (:mod:`ragblend.fusion.native`) and no sliding window, other row sets
+    get no masks either: the kernel reads each row's own keys.
     """
 
     def __init__(
@@ -56,9 +59,12 @@ class RowAttentionPlan:
         dtype: torch.dtype,
         sliding_window: int | None,
         num_keys: int | None = None,
+        kernel: RowKernel | None = None,
     ) -> None:
         pos = positions.tolist()
         self.num_rows = len(pos)
+        if sliding_window is not None and num_keys is not None and sliding_window >= num_keys:
+            sliding_window = None  # a window as long as the prompt masks nothing
         # Rows P, P+1, …, P+m-1 with no window: when they end the prompt, SDPA's causal
         # kernel (queries padded with P dummy rows) is faster than masked blocks.
         contiguous = bool(pos) and pos[-1] - pos[0] + 1 == len(pos)
@@ -66,8 +72,10 @@ class RowAttentionPlan:
         self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
         self.num_keys = num_keys
         self.causal_only = self.causal_start is not None and num_keys == pos[-1] + 1
-        if self.causal_only:
-            return  # attend_rows takes the causal path for these keys: no masks needed
+        self.kernel = kernel if sliding_window is None and not self.causal_only else None
+        self.positions = positions.contiguous()
+        if self.causal_only or self.kernel is not None:
+            return  # attend_rows takes the causal path or the kernel: no masks needed
         for a, b in row_blocks(pos):
             end = pos[b - 1] + 1
             start = 0 if sliding_window is None else max(0, pos[a] - int(sliding_window) + 1)
@@ -87,7 +95,7 @@ def attend_rows(
 
     q [1, H, m, d]; k, v [1, Hkv, N, d]. GQA is handled by folding each KV head's group of
     query heads into the row axis (no K/V copies); rows are processed in position-ordered
-    blocks so a block never reads keys past its last row.
+    blocks so a block never reads keys past its last row, or by the plan's native kernel.
     """
     _, heads, m, dim = q.shape
     kv_heads = k.shape[1]
@@ -100,6 +108,8 @@ def attend_rows(
             q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
         )[:, :, start:]
         return out.transpose(1, 2).reshape(1, m, heads * dim)
+    if plan.kernel is not None:
+        return plan.kernel(q, k, v, plan.positions, scaling)
     if plan.causal_only:
         raise RagblendError(f"attention plan built for {plan.num_keys} keys, got {k.shape[2]}")
     q = q.reshape(1, kv_heads, groups, m, dim)

@@ -9,6 +9,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
+from ragblend.fusion.native import RowKernel
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
     cached_key_temper,
@@ -63,6 +64,7 @@ def fuse(
     schedule: Sequence[tuple[int, float]] | None,
     selector: TokenSelector | None = None,
     trace: FusionTrace | None = None,
+    row_kernel: RowKernel | None = None,
 ) -> FusionResult:
     """Run the prompt through every layer, recomputing only the selected rows.
 
@@ -70,6 +72,8 @@ def fuse(
     (LayerLoader). ``schedule`` is [(check layer, fraction of cached rows kept)] (gradual
     filtering) and needs a ``selector``; ``None`` recomputes every non-exact row on every layer
     (ratio 1.0), ``[]`` recomputes only rows without a cache (full KV reuse).
+    ``row_kernel``: the native selected-row attention (:mod:`ragblend.fusion.native`), or
+    ``None`` for SDPA blocks.
     """
     if schedule and selector is None:
         raise RagblendError("a schedule with check layers needs a token selector")
@@ -126,7 +130,9 @@ def fuse(
         window = model.sliding_window(layer)
         plan = plans.get(window)
         if plan is None:
-            plan = plans[window] = RowAttentionPlan(active, groups, q.dtype, window, rows.n)
+            plan = plans[window] = RowAttentionPlan(
+                active, groups, q.dtype, window, rows.n, row_kernel
+            )
         if temper is None:
             attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
         else:

@@ -1,0 +1,116 @@
+"""ragblend's CPU kernel for selected-row attention, compiled on first use (once per machine).
+
+SDPA has no CPU kernel that lets each query row attend exactly its own causal prefix: blend's
+selected rows sit anywhere in the prompt, so :func:`attend_rows` otherwise runs them through
+SDPA in position-ordered blocks with additive masks, each block reading keys up to its last
+row. ``csrc/rows_attention.cpp`` does the whole layer in one call: AMX tile matmuls (ATen's
+brgemm micro-kernel) over row tiles in position order, each row's online softmax stopping at
+its own position, the query heads of one KV head stacked into one tile. bf16 on CPUs with
+AMX-BF16 only; elsewhere (fp32, CUDA, a sliding window) the SDPA blocks run.
+
+``row_attention="auto"`` (the default) uses the kernel where it applies and warns once when a
+CPU that could run it cannot build it (no C++ compiler); ``"native"`` raises instead;
+``"sdpa"`` never uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ragblend.errors import RagblendError
+from ragblend.models.dtype import cpu_flags
+
+log = logging.getLogger(__name__)
+
+RowAttention = Literal["auto", "native", "sdpa"]
+ROW_ATTENTION: tuple[str, ...] = ("auto", "native", "sdpa")
+SOURCE = Path(__file__).with_name("csrc") / "rows_attention.cpp"
+# The kernel's tile instructions and the vector code it is compiled with.
+REQUIRED_CPU_FLAGS = frozenset(
+    {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}
+)
+COMPILE_FLAGS = [
+    "-O3",
+    "-DCPU_CAPABILITY_AVX512",
+    "-DCPU_CAPABILITY=AVX512",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+    # at::parallel_for's OpenMP pragmas; the runtime is torch's own libgomp, already loaded
+    "-fopenmp",
+]
+
+# q [1, H, m, d], k [1, Hkv, N, d], v [1, Hkv, N, d], positions [m] int64, scale -> [1, m, H*d]
+RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def cpu_runs_kernel() -> bool:
+    """True when the CPU has the AMX-BF16 and AVX512 features the kernel is built for."""
+    return REQUIRED_CPU_FLAGS <= cpu_flags()
+
+
+def build_kernel() -> RowKernel:
+    """Compile (or load the cached build of) the kernel; RagblendError says why it cannot."""
+    if not cpu_runs_kernel():
+        missing = ", ".join(sorted(REQUIRED_CPU_FLAGS - cpu_flags()))
+        raise RagblendError(f"the native row-attention kernel needs CPU features: {missing}")
+    return _compiled()
+
+
+@functools.cache
+def _compiled() -> RowKernel:
+    from torch.utils.cpp_extension import load
+
+    log.info("loading ragblend's native row-attention kernel (compiled once per machine)")
+    try:
+        load(
+            name="ragblend_rows_attention",
+            sources=[str(SOURCE)],
+            extra_cflags=COMPILE_FLAGS,
+            is_python_module=False,
+        )
+    except Exception as exc:  # compiler missing or failing: the message says which
+        raise RagblendError(f"could not build the native row-attention kernel: {exc}") from exc
+    if not torch.ops.ragblend_native.supported():
+        raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
+    return torch.ops.ragblend_native.attend_rows
+
+
+def row_attention_kernel(
+    choice: str, dtype: torch.dtype, device: torch.device, head_dim: int
+) -> RowKernel | None:
+    """The native kernel for a model with this dtype, device and head dim, or ``None`` for
+    SDPA blocks. ``choice`` is ``"auto"``, ``"native"`` (RagblendError when it cannot run) or
+    ``"sdpa"``."""
+    if choice not in ROW_ATTENTION:
+        raise RagblendError(
+            f"unknown row_attention {choice!r}; expected one of {', '.join(ROW_ATTENTION)}"
+        )
+    if choice == "sdpa":
+        return None
+    fits = dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
+    if not fits:
+        if choice == "native":
+            raise RagblendError(
+                "row_attention='native' runs bf16 models on CPU with a head dim that is a "
+                f"multiple of 32; this model is {dtype} on {device.type}, head dim {head_dim}"
+            )
+        return None
+    if choice == "auto" and not cpu_runs_kernel():
+        return None
+    try:
+        return build_kernel()
+    except RagblendError as exc:
+        if choice == "native":
+            raise
+        log.warning("%s; selected rows attend through SDPA blocks instead", exc)
+        return None

@@ -1,0 +1,148 @@
+"""The native selected-row attention kernel: each row attends exactly keys 0..its position.
+
+Oracle: the per-row reference in fp32 on the same bf16 inputs. The kernel rounds the
+probabilities to bf16 before P @ V (as SDPA's CPU flash kernel does), so the gate is relative:
+its error against the reference is at most SLACK × the SDPA blocks' error, plus FLOOR.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from helpers import engine_for
+from test_fusion_mask_and_selection import _reference_rows
+
+from ragblend import BlendConfig
+from ragblend.errors import RagblendError
+from ragblend.fusion import native
+from ragblend.fusion.attention import RowAttentionPlan, attend_rows
+
+SLACK = 1.5
+FLOOR = 2e-3
+
+needs_amx = pytest.mark.skipif(
+    not native.cpu_runs_kernel(), reason="the native kernel runs on CPUs with AMX-BF16"
+)
+
+
+def _inputs(n, rows, heads, kv_heads, dim, seed=0):
+    torch.manual_seed(seed)
+    positions = torch.tensor(sorted(torch.randperm(n)[:rows].tolist()))
+    # q as the fusor makes it: a transposed view of [1, m, H, d]
+    q = torch.randn(1, rows, heads, dim).transpose(1, 2).bfloat16()
+    k = torch.randn(1, kv_heads, n, dim).bfloat16()
+    v = torch.randn(1, kv_heads, n, dim).bfloat16()
+    return q, k, v, positions
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("n", "rows", "heads", "kv_heads", "dim"),
+    [
+        (1300, 200, 9, 3, 64),  # SmolLM2's shape: 3 query heads per KV head, 3 key blocks
+        (700, 301, 4, 4, 32),  # no GQA, a partial last tile
+        (257, 40, 8, 2, 128),
+        (90, 90, 4, 2, 64),  # every row: the causal case
+        (600, 1, 2, 1, 64),  # one row
+    ],
+)
+def test_kernel_matches_the_per_row_reference_as_closely_as_sdpa_blocks(
+    n, rows, heads, kv_heads, dim
+):
+    q, k, v, positions = _inputs(n, rows, heads, kv_heads, dim)
+    kernel = native.build_kernel()
+    ref = _reference_rows(q.float(), k.float(), v.float(), positions, 0.125)
+    got = kernel(q, k, v, positions, 0.125)
+    assert got.shape == (1, rows, heads * dim) and got.dtype == torch.bfloat16
+    plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, None)
+    sdpa = attend_rows(q, k, v, plan, 0.125)
+    error = float((got.float() - ref).abs().max())
+    sdpa_error = float((sdpa.float() - ref).abs().max())
+    assert error <= SLACK * sdpa_error + FLOOR, (error, sdpa_error)
+
+
+@needs_amx
+def test_a_row_never_sees_a_later_key():
+    q, k, v, positions = _inputs(800, 50, 4, 2, 64, seed=1)
+    kernel = native.build_kernel()
+    before = kernel(q, k, v, positions, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    last = int(positions[-1])
+    k2[:, :, last + 1 :] = 1e3  # huge keys and values after the last row: must not leak
+    v2[:, :, last + 1 :] = 1e3
+    middle = int(positions[25])
+    k2[:, :, middle + 1 : last] = -7.0  # visible only to the rows after `middle`
+    after = kernel(q, k2, v2, positions, 0.125)
+    assert torch.equal(after[:, :26], before[:, :26])
+    assert not torch.equal(after[:, 26:], before[:, 26:])
+
+
+@needs_amx
+def test_bad_positions_are_one_clear_error():
+    q, k, v, positions = _inputs(100, 10, 4, 2, 64)
+    kernel = native.build_kernel()
+    with pytest.raises(RuntimeError, match="ascending"):
+        kernel(q, k, v, positions.flip(0).contiguous(), 0.125)
+    with pytest.raises(RuntimeError, match="outside 100 keys"):
+        kernel(q, k, v, positions + 100, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(q.float(), k.float(), v.float(), positions, 0.125)
+
+
+@needs_amx
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(family, tokenizer):
+    model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
+    engine = engine_for(model, tokenizer, ratio=0.3, check_layers=(1,), check_scales=None)
+    assert engine.row_attention == "native"
+    sdpa = engine.with_config(row_attention="sdpa")
+    assert sdpa.row_attention == "sdpa"
+    calls = []
+    kernel = engine.row_kernel
+    engine.row_kernel = lambda *args: calls.append(1) or kernel(*args)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    got = engine.prefill(prompt, "blend")
+    want = sdpa.prefill(prompt, "blend")
+    # every layer after the check layer runs the kernel (Mistral's default 4096-token window
+    # is longer than the prompt, so it masks nothing)
+    assert len(calls) == engine.layers.num_layers - 1
+    assert 0 < got.stats.recomputed_fraction < 1
+    assert torch.equal(got.fusion.selected, want.fusion.selected)
+    torch.testing.assert_close(got.logits.float(), want.logits.float(), atol=3e-2, rtol=0)
+
+
+def test_kernel_choice_follows_dtype_device_and_config(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    assert native.row_attention_kernel("sdpa", torch.bfloat16, cpu, 64) is None
+    assert native.row_attention_kernel("auto", torch.float32, cpu, 64) is None
+    assert native.row_attention_kernel("auto", torch.bfloat16, torch.device("cuda"), 64) is None
+    with pytest.raises(RagblendError, match="bf16 models on CPU"):
+        native.row_attention_kernel("native", torch.float32, cpu, 64)
+    with pytest.raises(RagblendError, match="unknown row_attention 'flash'"):
+        native.row_attention_kernel("flash", torch.bfloat16, cpu, 64)
+    with pytest.raises(RagblendError, match="unknown row_attention"):
+        BlendConfig(row_attention="flash")  # type: ignore[arg-type]
+
+    # a CPU without AMX: auto quietly takes SDPA blocks, native names what is missing
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert native.row_attention_kernel("auto", torch.bfloat16, cpu, 64) is None
+    with pytest.raises(RagblendError, match="amx_bf16"):
+        native.row_attention_kernel("native", torch.bfloat16, cpu, 64)
+
+
+def test_a_capable_cpu_that_cannot_build_the_kernel_warns_and_uses_sdpa(monkeypatch, caplog):
+    def no_compiler():
+        raise RagblendError("could not build the native row-attention kernel: no c++")
+
+    monkeypatch.setattr(native, "cpu_runs_kernel", lambda: True)
+    monkeypatch.setattr(native, "build_kernel", no_compiler)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.native"):
+        assert native.row_attention_kernel("auto", torch.bfloat16, cpu, 64) is None
+    assert "no c++" in caplog.text and "SDPA blocks" in caplog.text
+    with pytest.raises(RagblendError, match="no c\\+\\+"):
+        native.row_attention_kernel("native", torch.bfloat16, cpu, 64)
