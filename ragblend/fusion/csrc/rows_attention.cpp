@@ -10,7 +10,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -18,7 +17,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 namespace {
@@ -141,23 +139,20 @@ void softmax_step(float* s, BFloat16* p, int64_t count, int64_t width, float sca
   }
   const int64_t span = round_up(count, kStep);  // <= width: width is a multiple of 64
   std::fill(s + count, s + span, -std::numeric_limits<float>::infinity());
-  Vec vmax(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < span; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
-  float lanes[Vec::size()];
-  vmax.store(lanes);
-  const float block_max = *std::max_element(lanes, lanes + Vec::size()) * scale;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < span; j += Vec::size()) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+  const float block_max = _mm512_reduce_max_ps(vmax) * scale;
   const float new_max = first ? block_max : std::max(max, block_max);
   const Vec vscale(scale), vshift(-new_max);
   Vec vsum(0.0f);
   for (int64_t j = 0; j < span; j += kStep) {
-    Vec e0 = at::vec::fmadd(Vec::loadu(s + j), vscale, vshift).exp_u20();
-    Vec e1 = at::vec::fmadd(Vec::loadu(s + j + Vec::size()), vscale, vshift).exp_u20();
+    Vec e0 = at::vec::fmadd(Vec::loadu(s + j), vscale, vshift).fexp_u20();
+    Vec e1 = at::vec::fmadd(Vec::loadu(s + j + Vec::size()), vscale, vshift).fexp_u20();
     vsum = vsum + e0 + e1;
     at::vec::convert_float_bfloat16(e0, e1).store(p + j);
   }
   std::memset(static_cast<void*>(p + span), 0, (width - span) * sizeof(BFloat16));
-  vsum.store(lanes);
-  const float block_sum = std::accumulate(lanes, lanes + Vec::size(), 0.0f);
+  const float block_sum = _mm512_reduce_add_ps(vsum);
   if (first) {
     sum = block_sum;
   } else {
