@@ -149,7 +149,8 @@ void softmax_step(float* s, BFloat16* p, int64_t count, int64_t width, float sca
     Vec e0 = at::vec::fmadd(Vec::loadu(s + j), vscale, vshift).fexp_u20();
     Vec e1 = at::vec::fmadd(Vec::loadu(s + j + Vec::size()), vscale, vshift).fexp_u20();
     vsum = vsum + e0 + e1;
-    at::vec::convert_float_bfloat16(e0, e1).store(p + j);
+    // one AVX512-BF16 instruction, round to nearest even (as c10::BFloat16)
+    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
   }
   std::memset(static_cast<void*>(p + span), 0, (width - span) * sizeof(BFloat16));
   const float block_sum = _mm512_reduce_add_ps(vsum);
@@ -265,8 +266,11 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         for (int64_t i = 0; i < tile; ++i) {
           const int64_t g = i / rows, r = i % rows;
           BFloat16* dst = od + ((t.begin + r) * heads + t.head * groups + g) * dim;
-          const float inv = 1.0f / sc.sum[i];
-          for (int64_t d = 0; d < dim; ++d) dst[d] = BFloat16(sc.out[i * dim + d] * inv);
+          const __m512 inv = _mm512_set1_ps(1.0f / sc.sum[i]);
+          for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sc.out + i * dim + d), inv);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+          }
         }
       }
     }
