@@ -6,7 +6,7 @@ PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 DATASET ?= ../shared/data/musique_dev.json
 
-.PHONY: venv install demo test bench lint typecheck clean redis-server
+.PHONY: venv install demo test bench lint typecheck clean redis-server compiler
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,12 @@ redis-server:
 	@command -v redis-server >/dev/null || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
-install: $(STAMP) redis-server
+# ragblend.fusion.native compiles its CPU kernel on first use with the system C++ compiler.
+compiler:
+	@command -v c++ >/dev/null || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; }
+
+install: $(STAMP) redis-server compiler
 
 # The main job: the core engine on dev questions (full vs blend), then the LlamaIndex RAG
 # pipeline (Chroma index with KV warmup at ingestion, query engine with BlendLLM).

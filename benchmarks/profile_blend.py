@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/profile_blend.py --limit 3 --repeats 3 --profile bfloat16
 
-For each question, each dtype and each mode (full, blend) is timed ``repeats`` times in an
-interleaved order, so a shared machine's load hits every variant alike; it prints medians per
-variant and the median over questions of blend/full. ``--profile DTYPE`` adds a torch.profiler
-table of one blend prefill (top ops by self CPU time).
+For each question, each dtype (and each ``--row-attention`` choice) and each mode (full, blend)
+is timed ``repeats`` times in an interleaved order, so a shared machine's load hits every
+variant alike; it prints medians per variant and the median over questions of full/blend.
+``--profile DTYPE`` adds a torch.profiler table of one blend prefill per variant of that dtype
+(top ops by self CPU time).
 """
 
 from __future__ import annotations
@@ -38,14 +39,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="full,blend")
+    ap.add_argument(
+        "--row-attention",
+        default="auto",
+        help="comma-separated BlendConfig.row_attention choices to compare (auto/native/sdpa)",
+    )
     ap.add_argument("--profile", default=None, help="dtype to profile one blend prefill in")
     ap.add_argument("--rows", type=int, default=25, help="profile table rows")
     args = ap.parse_args()
 
-    engines = {
-        d: BlendEngine.from_pretrained("embedded", config=BlendConfig(dtype=d))
-        for d in args.dtypes.split(",")
-    }
+    choices = args.row_attention.split(",")
+    engines = {}
+    for d in args.dtypes.split(","):
+        engine = BlendEngine.from_pretrained("embedded", config=BlendConfig(dtype=d))
+        for choice in choices:
+            name = d if len(choices) == 1 else f"{d}/{choice}"
+            engines[name] = engine.with_config(row_attention=choice)
     cases = load_cases(
         args.dataset,
         next(iter(engines.values())).tokenizer,
@@ -87,13 +96,16 @@ def main() -> None:
             print(f"  {d:<9} full/blend {statistics.median(rs):.2f}x")
 
     if args.profile:
-        engine = engines[args.profile]
-        prompt = engine.tokenize(cases[0].question, cases[0].chunks)
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            engine.prefill(prompt, "blend")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        for name, engine in engines.items():
+            if name.split("/")[0] != args.profile:
+                continue
+            prompt = engine.tokenize(cases[0].question, cases[0].chunks)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                engine.prefill(prompt, "blend")
+            print(f"{name} ({engine.row_attention} row attention), one blend prefill:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

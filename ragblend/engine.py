@@ -123,7 +123,8 @@ class BlendEngine:
             view.selector = selector
         else:
             view.selector = make_selector(view.config)
-        view.row_kernel = view._row_kernel(view.config)
+        if view.config.row_attention != self.config.row_attention:
+            view.row_kernel = view._row_kernel(view.config)
         view.chunks = ChunkCache(
             self.layers,
             self.tokenizer,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -69,6 +71,13 @@ def build_kernel() -> RowKernel:
 @functools.cache
 def _compiled() -> RowKernel:
     from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:
+        # torch runs `ninja` from PATH; the ninja wheel (a dependency) installs it beside this
+        # interpreter, which is not on PATH when the venv is used without activating it
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
     log.info("loading ragblend's native row-attention kernel (compiled once per machine)")
     try:

@@ -196,7 +196,8 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor out = at::empty({1, m, heads * dim}, q.options());
   if (m == 0) return out;
 
-  // Pack each KV head's K and V up to the last row's position.
+  // Pack each KV head's K and V up to the last row's position, into a buffer the calling
+  // thread keeps (one layer's K and V: 1/num_layers of the prompt's KV cache).
   const int64_t used = pos[m - 1] + 1, padded = round_up(used, kPackN);
   const int64_t head_size = padded * dim;
   thread_local at::Tensor packed;
