@@ -16,7 +16,7 @@ from ragblend.chunk_cache import ChunkCache
 from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fusion.fusor import fuse
-from ragblend.fusion.native import RowKernel, row_attention_kernel
+from ragblend.fusion.native import NativeKernels, native_kernels
 from ragblend.fusion.selectors import TokenSelector, make_selector
 from ragblend.generation import (
     BlendResult,
@@ -77,7 +77,7 @@ class BlendEngine:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
-        self.row_kernel = self._row_kernel(self.config)
+        self.native = self._native_kernels(self.config)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
         self.on_miss: Callable[[list[str]], None] | None = None
@@ -124,7 +124,7 @@ class BlendEngine:
         else:
             view.selector = make_selector(view.config)
         if view.config.row_attention != self.config.row_attention:
-            view.row_kernel = view._row_kernel(view.config)
+            view.native = view._native_kernels(view.config)
         view.chunks = ChunkCache(
             self.layers,
             self.tokenizer,
@@ -136,16 +136,14 @@ class BlendEngine:
             view.controller = controller
         return view
 
-    def _row_kernel(self, config: BlendConfig) -> RowKernel | None:
+    def _native_kernels(self, config: BlendConfig) -> NativeKernels | None:
         layers = self.layers
-        return row_attention_kernel(
-            config.row_attention, layers.dtype, layers.device, layers.head_dim
-        )
+        return native_kernels(config.row_attention, layers.dtype, layers.device, layers.head_dim)
 
     @property
     def row_attention(self) -> str:
         """The selected-row attention blend runs: ``"native"`` or ``"sdpa"``."""
-        return "sdpa" if self.row_kernel is None else "native"
+        return "sdpa" if self.native is None else "native"
 
     # ------------------------------------------------------------------ prompts and keys
     @property
@@ -326,7 +324,7 @@ class BlendEngine:
             self.chunks.loader(segments),
             schedule,
             self.selector,
-            row_kernel=self.row_kernel,
+            native=self.native,
         )
         stats.recomputed_fraction = fusion.recomputed_fraction
         cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)

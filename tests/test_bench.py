@@ -104,7 +104,11 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
         assert MODE_KEYS <= set(mode)
     assert results["modes"]["full"]["agreement_with_full"] == 1.0
     assert results["modes"]["full"]["answer_kl_mean"] == pytest.approx(0.0, abs=1e-6)
-    assert results["modes"]["prefix"]["answer_kl_mean"] == pytest.approx(0.0, abs=1e-3)
+    # prefix is exact in fp32; in bf16 the layer-wise prefill after the prefix cache and HF's
+    # forward accumulate in different orders, a noise of ~1e-3 (10 dev questions: 0.0014 mean)
+    # that moves with any rounding change upstream — still far below reuse's KL
+    bound = 1e-3 if settings["dtype"] == "float32" else 5e-3
+    assert results["modes"]["prefix"]["answer_kl_mean"] == pytest.approx(0.0, abs=bound)
     assert 0 < results["modes"]["blend"]["recomputed_fraction_mean"] < 1
     assert all(m["decode_tokens_per_s"] > 0 for m in results["modes"].values())
     assert set(results["speedup_vs_full"]) == {"prefix", "reuse", "blend"}

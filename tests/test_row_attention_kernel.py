@@ -53,7 +53,7 @@ def test_kernel_matches_the_per_row_reference_as_closely_as_sdpa_blocks(
     n, rows, heads, kv_heads, dim
 ):
     q, k, v, positions = _inputs(n, rows, heads, kv_heads, dim)
-    kernel = native.build_kernel()
+    kernel = native.build_kernels().attend_rows
     ref = _reference_rows(q.float(), k.float(), v.float(), positions, 0.125)
     got = kernel(q, k, v, positions, 0.125)
     assert got.shape == (1, rows, heads * dim) and got.dtype == torch.bfloat16
@@ -67,7 +67,7 @@ def test_kernel_matches_the_per_row_reference_as_closely_as_sdpa_blocks(
 @needs_amx
 def test_a_row_never_sees_a_later_key():
     q, k, v, positions = _inputs(800, 50, 4, 2, 64, seed=1)
-    kernel = native.build_kernel()
+    kernel = native.build_kernels().attend_rows
     before = kernel(q, k, v, positions, 0.125)
     k2, v2 = k.clone(), v.clone()
     last = int(positions[-1])
@@ -83,7 +83,7 @@ def test_a_row_never_sees_a_later_key():
 @needs_amx
 def test_bad_positions_are_one_clear_error():
     q, k, v, positions = _inputs(100, 10, 4, 2, 64)
-    kernel = native.build_kernel()
+    kernel = native.build_kernels().attend_rows
     with pytest.raises(RuntimeError, match="ascending"):
         kernel(q, k, v, positions.flip(0).contiguous(), 0.125)
     with pytest.raises(RuntimeError, match="outside 100 keys"):
@@ -101,8 +101,8 @@ def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(fam
     sdpa = engine.with_config(row_attention="sdpa")
     assert sdpa.row_attention == "sdpa"
     calls = []
-    kernel = engine.row_kernel
-    engine.row_kernel = lambda *args: calls.append(1) or kernel(*args)
+    kernel = engine.native.attend_rows
+    engine.native = engine.native._replace(attend_rows=lambda *a: calls.append(1) or kernel(*a))
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     got = engine.prefill(prompt, "blend")
@@ -117,32 +117,51 @@ def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(fam
 
 def test_kernel_choice_follows_dtype_device_and_config(monkeypatch, caplog):
     cpu = torch.device("cpu")
-    assert native.row_attention_kernel("sdpa", torch.bfloat16, cpu, 64) is None
-    assert native.row_attention_kernel("auto", torch.float32, cpu, 64) is None
-    assert native.row_attention_kernel("auto", torch.bfloat16, torch.device("cuda"), 64) is None
+    assert native.native_kernels("sdpa", torch.bfloat16, cpu, 64) is None
+    assert native.native_kernels("auto", torch.float32, cpu, 64) is None
+    assert native.native_kernels("auto", torch.bfloat16, torch.device("cuda"), 64) is None
     with pytest.raises(RagblendError, match="bf16 models on CPU"):
-        native.row_attention_kernel("native", torch.float32, cpu, 64)
+        native.native_kernels("native", torch.float32, cpu, 64)
     with pytest.raises(RagblendError, match="unknown row_attention 'flash'"):
-        native.row_attention_kernel("flash", torch.bfloat16, cpu, 64)
+        native.native_kernels("flash", torch.bfloat16, cpu, 64)
     with pytest.raises(RagblendError, match="unknown row_attention"):
         BlendConfig(row_attention="flash")  # type: ignore[arg-type]
 
     # a CPU without AMX: auto quietly takes SDPA blocks, native names what is missing
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert native.row_attention_kernel("auto", torch.bfloat16, cpu, 64) is None
+    assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None
     with pytest.raises(RagblendError, match="amx_bf16"):
-        native.row_attention_kernel("native", torch.bfloat16, cpu, 64)
+        native.native_kernels("native", torch.bfloat16, cpu, 64)
 
 
 def test_a_capable_cpu_that_cannot_build_the_kernel_warns_and_uses_sdpa(monkeypatch, caplog):
     def no_compiler():
-        raise RagblendError("could not build the native row-attention kernel: no c++")
+        raise RagblendError("could not build ragblend's native kernels: no c++")
 
     monkeypatch.setattr(native, "cpu_runs_kernel", lambda: True)
-    monkeypatch.setattr(native, "build_kernel", no_compiler)
+    monkeypatch.setattr(native, "build_kernels", no_compiler)
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="ragblend.fusion.native"):
-        assert native.row_attention_kernel("auto", torch.bfloat16, cpu, 64) is None
+        assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None
     assert "no c++" in caplog.text and "SDPA blocks" in caplog.text
     with pytest.raises(RagblendError, match="no c\\+\\+"):
-        native.row_attention_kernel("native", torch.bfloat16, cpu, 64)
+        native.native_kernels("native", torch.bfloat16, cpu, 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_rope_rotates_in_place_bit_for_bit_as_hf(family, tokenizer):
+    model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
+    engine = engine_for(model, tokenizer)
+    layers = engine.layers
+    assert layers.rope_rotates_half
+    torch.manual_seed(0)
+    n = 700
+    cos, sin = layers.rope(torch.arange(n), torch.zeros(1, n, 128, dtype=torch.bfloat16))
+    k = torch.randn(1, 2, n, 32).bfloat16()
+    _, want = layers._apply_rotary(k, k, cos, sin)  # HF's apply_rotary_pos_emb
+    got = k.clone()
+    assert engine.native.rope_(got, cos, sin).data_ptr() == got.data_ptr()
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        engine.native.rope_(got, cos[:, :10], sin[:, :10])

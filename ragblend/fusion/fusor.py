@@ -9,7 +9,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.native import RowKernel
+from ragblend.fusion.native import NativeKernels
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
     cached_key_temper,
@@ -64,7 +64,7 @@ def fuse(
     schedule: Sequence[tuple[int, float]] | None,
     selector: TokenSelector | None = None,
     trace: FusionTrace | None = None,
-    row_kernel: RowKernel | None = None,
+    native: NativeKernels | None = None,
 ) -> FusionResult:
     """Run the prompt through every layer, recomputing only the selected rows.
 
@@ -72,8 +72,8 @@ def fuse(
     (LayerLoader). ``schedule`` is [(check layer, fraction of cached rows kept)] (gradual
     filtering) and needs a ``selector``; ``None`` recomputes every non-exact row on every layer
     (ratio 1.0), ``[]`` recomputes only rows without a cache (full KV reuse).
-    ``row_kernel``: the native selected-row attention (:mod:`ragblend.fusion.native`), or
-    ``None`` for SDPA blocks.
+    ``native``: ragblend's CPU kernels for selected-row attention and the cached keys' RoPE
+    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA blocks and torch.
     """
     if schedule and selector is None:
         raise RagblendError("a schedule with check layers needs a token selector")
@@ -94,6 +94,8 @@ def fuse(
     watched = last_observed_layer(selector, checks)  # multi-layer selectors see layers <= it
     memory: dict = {}  # their scratch space for this prefill
     temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
+    row_kernel = native.attend_rows if native is not None else None
+    rotate_ = native.rope_ if native is not None and model.rope_rotates_half else model.rotate_
     for layer, k_cached, v_cached in layers:
         # project
         proj = model.project(layer, hidden, cos, sin)
@@ -109,7 +111,7 @@ def fuse(
             )
             observe(selector, check)
         else:  # the loader's tensors are this request's own: rotate them in place
-            k_full = model.rotate_(k_cached, cos_all, sin_all)
+            k_full = rotate_(k_cached, cos_all, sin_all)
         if layer in checks:
             keep, scores = select_rows(
                 selector, check, rows.forced[active], checks[layer], rows.num_approx

@@ -1,16 +1,17 @@
-"""ragblend's CPU kernel for selected-row attention, compiled on first use (once per machine).
+"""ragblend's CPU kernels for the fusor, compiled on first use (once per machine).
 
 SDPA has no CPU kernel that lets each query row attend exactly its own causal prefix: blend's
 selected rows sit anywhere in the prompt, so :func:`attend_rows` otherwise runs them through
 SDPA in position-ordered blocks with additive masks, each block reading keys up to its last
 row. ``csrc/rows_attention.cpp`` does the whole layer in one call: AMX tile matmuls (ATen's
 brgemm micro-kernel) over row tiles in position order, each row's online softmax stopping at
-its own position, the query heads of one KV head stacked into one tile. bf16 on CPUs with
-AMX-BF16 only; elsewhere (fp32, CUDA, a sliding window) the SDPA blocks run.
+its own position, the query heads of one KV head stacked into one tile. Beside it,
+``csrc/rope.cpp`` rotates the cached keys of a layer in place in one pass (torch takes five).
+bf16 on CPUs with AMX-BF16 only; elsewhere (fp32, CUDA, a sliding window) the SDPA blocks run.
 
-``row_attention="auto"`` (the default) uses the kernel where it applies and warns once when a
-CPU that could run it cannot build it (no C++ compiler); ``"native"`` raises instead;
-``"sdpa"`` never uses it.
+``row_attention="auto"`` (the default) uses the kernels where they apply and warns once when a
+CPU that could run them cannot build them (no C++ compiler); ``"native"`` raises instead;
+``"sdpa"`` never uses them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 
 RowAttention = Literal["auto", "native", "sdpa"]
 ROW_ATTENTION: tuple[str, ...] = ("auto", "native", "sdpa")
-SOURCE = Path(__file__).with_name("csrc") / "rows_attention.cpp"
-# The kernel's tile instructions and the vector code it is compiled with.
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("rows_attention.cpp", "rope.cpp")]
+# The kernels' tile instructions and the vector code they are compiled with.
 REQUIRED_CPU_FLAGS = frozenset(
     {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}
 )
@@ -53,6 +54,15 @@ COMPILE_FLAGS = [
 
 # q [1, H, m, d], k [1, Hkv, N, d], v [1, Hkv, N, d], positions [m] int64, scale -> [1, m, H*d]
 RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# k [1, Hkv, N, d] rotated in place (and returned), cos, sin [1, N, d]
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class NativeKernels(NamedTuple):
+    """The compiled kernels: selected-row attention and in-place RoPE of cached keys."""
+
+    attend_rows: RowKernel
+    rope_: RopeKernel
 
 
 def cpu_runs_kernel() -> bool:
@@ -60,16 +70,16 @@ def cpu_runs_kernel() -> bool:
     return REQUIRED_CPU_FLAGS <= cpu_flags()
 
 
-def build_kernel() -> RowKernel:
-    """Compile (or load the cached build of) the kernel; RagblendError says why it cannot."""
+def build_kernels() -> NativeKernels:
+    """Compile (or load the cached build of) the kernels; RagblendError says why they cannot."""
     if not cpu_runs_kernel():
         missing = ", ".join(sorted(REQUIRED_CPU_FLAGS - cpu_flags()))
-        raise RagblendError(f"the native row-attention kernel needs CPU features: {missing}")
+        raise RagblendError(f"ragblend's native kernels need CPU features: {missing}")
     return _compiled()
 
 
 @functools.cache
-def _compiled() -> RowKernel:
+def _compiled() -> NativeKernels:
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:
@@ -79,27 +89,28 @@ def _compiled() -> RowKernel:
 
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
-    log.info("loading ragblend's native row-attention kernel (compiled once per machine)")
+    log.info("loading ragblend's native kernels (compiled once per machine)")
     try:
         load(
-            name="ragblend_rows_attention",
-            sources=[str(SOURCE)],
+            name="ragblend_native",
+            sources=[str(path) for path in SOURCES],
             extra_cflags=COMPILE_FLAGS,
             is_python_module=False,
         )
     except Exception as exc:  # compiler missing or failing: the message says which
-        raise RagblendError(f"could not build the native row-attention kernel: {exc}") from exc
+        raise RagblendError(f"could not build ragblend's native kernels: {exc}") from exc
     if not torch.ops.ragblend_native.supported():
         raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
-    return torch.ops.ragblend_native.attend_rows
+    ops = torch.ops.ragblend_native
+    return NativeKernels(ops.attend_rows, ops.rope_)
 
 
-def row_attention_kernel(
+def native_kernels(
     choice: str, dtype: torch.dtype, device: torch.device, head_dim: int
-) -> RowKernel | None:
-    """The native kernel for a model with this dtype, device and head dim, or ``None`` for
-    SDPA blocks. ``choice`` is ``"auto"``, ``"native"`` (RagblendError when it cannot run) or
-    ``"sdpa"``."""
+) -> NativeKernels | None:
+    """The native kernels for a model with this dtype, device and head dim, or ``None`` for
+    SDPA blocks and torch's RoPE. ``choice`` is ``"auto"``, ``"native"`` (RagblendError when
+    they cannot run) or ``"sdpa"``."""
     if choice not in ROW_ATTENTION:
         raise RagblendError(
             f"unknown row_attention {choice!r}; expected one of {', '.join(ROW_ATTENTION)}"
@@ -117,7 +128,7 @@ def row_attention_kernel(
     if choice == "auto" and not cpu_runs_kernel():
         return None
     try:
-        return build_kernel()
+        return build_kernels()
     except RagblendError as exc:
         if choice == "native":
             raise

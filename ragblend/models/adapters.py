@@ -75,6 +75,12 @@ class LayerwiseModel:
         """cos, sin of the model's own rotary embedding at ``positions`` ([T] int64)."""
         return self.decoder.rotary_emb(like, positions.view(1, -1))
 
+    @property
+    def rope_rotates_half(self) -> bool:
+        """True when the family's RoPE is the rotate_half layout (HF's ``rotate_half``), which
+        ragblend's native RoPE kernel implements."""
+        return self._rotate_half is not None
+
     def rotate(self, k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to pre-RoPE keys [1, H, T, d] (returns a new tensor)."""
         if self._rotate_half is None:
