@@ -139,21 +139,26 @@ void softmax_step(float* s, BFloat16* p, int64_t count, int64_t width, float sca
   }
   const int64_t span = round_up(count, kStep);  // <= width: width is a multiple of 64
   std::fill(s + count, s + span, -std::numeric_limits<float>::infinity());
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < span; j += Vec::size()) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-  const float block_max = _mm512_reduce_max_ps(vmax) * scale;
+  // two accumulators each: a single one makes every step wait on the previous one's latency
+  __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
+  for (int64_t j = 0; j < span; j += kStep) {
+    max0 = _mm512_max_ps(max0, _mm512_loadu_ps(s + j));
+    max1 = _mm512_max_ps(max1, _mm512_loadu_ps(s + j + Vec::size()));
+  }
+  const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(max0, max1)) * scale;
   const float new_max = first ? block_max : std::max(max, block_max);
   const Vec vscale(scale), vshift(-new_max);
-  Vec vsum(0.0f);
+  Vec sum0(0.0f), sum1(0.0f);
   for (int64_t j = 0; j < span; j += kStep) {
     Vec e0 = at::vec::fmadd(Vec::loadu(s + j), vscale, vshift).fexp_u20();
     Vec e1 = at::vec::fmadd(Vec::loadu(s + j + Vec::size()), vscale, vshift).fexp_u20();
-    vsum = vsum + e0 + e1;
+    sum0 = sum0 + e0;
+    sum1 = sum1 + e1;
     // one AVX512-BF16 instruction, round to nearest even (as c10::BFloat16)
     _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
   }
   std::memset(static_cast<void*>(p + span), 0, (width - span) * sizeof(BFloat16));
-  const float block_sum = _mm512_reduce_add_ps(vsum);
+  const float block_sum = _mm512_reduce_add_ps(sum0 + sum1);
   if (first) {
     sum = block_sum;
   } else {
