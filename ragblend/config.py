@@ -53,11 +53,12 @@ class BlendConfig:
         weights prepacked for one row (``ragblend.models.packed``): faster decoding, identical
         outputs, a second copy of the linear weights in memory from the first decode on (an
         engine that only precomputes never makes it). ``False``: one copy.
-    row_attention: how blend's selected rows attend: ``"auto"`` (ragblend's native kernel
-        where it runs — bf16 on CPUs with AMX-BF16, compiled on first use — else SDPA in
-        masked blocks; a capable CPU that cannot build it logs a warning), ``"native"``
-        (an error where it cannot run) or ``"sdpa"``. Same attention either way, to bf16
-        rounding; see ``ragblend.fusion.native``.
+    row_attention: how blend's selected rows attend: ``"auto"`` (ragblend's native kernels
+        where they run — bf16 on CPUs with AMX-BF16, compiled on first use — else SDPA in
+        masked blocks; a capable CPU that cannot build them logs a warning), ``"native"``
+        (an error where they cannot run) or ``"sdpa"``. Same attention either way, to bf16
+        rounding; the native path also rotates the cached keys in one pass (HF's RoPE values
+        bit for bit). See ``ragblend.fusion.native``.
     """
 
     ratio: float | Literal["auto"] = 0.15

@@ -100,9 +100,12 @@ def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(fam
     assert engine.row_attention == "native"
     sdpa = engine.with_config(row_attention="sdpa")
     assert sdpa.row_attention == "sdpa"
-    calls = []
-    kernel = engine.native.attend_rows
-    engine.native = engine.native._replace(attend_rows=lambda *a: calls.append(1) or kernel(*a))
+    calls, rotations = [], []
+    kernel, rope_ = engine.native.attend_rows, engine.native.rope_
+    engine.native = engine.native._replace(
+        attend_rows=lambda *a: calls.append(1) or kernel(*a),
+        rope_=lambda *a: rotations.append(1) or rope_(*a),
+    )
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     got = engine.prefill(prompt, "blend")
@@ -110,6 +113,9 @@ def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(fam
     # every layer after the check layer runs the kernel (Mistral's default 4096-token window
     # is longer than the prompt, so it masks nothing)
     assert len(calls) == engine.layers.num_layers - 1
+    # every layer but the check layer (which compares fresh keys with the unrotated cache)
+    # rotates its cached keys in place, with the native RoPE
+    assert len(rotations) == engine.layers.num_layers - 1
     assert 0 < got.stats.recomputed_fraction < 1
     assert torch.equal(got.fusion.selected, want.fusion.selected)
     torch.testing.assert_close(got.logits.float(), want.logits.float(), atol=3e-2, rtol=0)
