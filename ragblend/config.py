@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.native import ROW_ATTENTION, RowAttention
+from ragblend.fusion.native import RowAttention, check_row_attention
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
@@ -115,11 +115,7 @@ class BlendConfig:
             )
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
-        if self.row_attention not in ROW_ATTENTION:
-            raise RagblendError(
-                f"unknown row_attention {self.row_attention!r}; "
-                f"expected one of {', '.join(ROW_ATTENTION)}"
-            )
+        check_row_attention(self.row_attention)
         if self.precompute_context not in ("prefix", "canonical", "filler", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 

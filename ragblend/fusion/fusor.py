@@ -9,7 +9,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.native import NativeKernels
+from ragblend.fusion.native import NativeKernels, RopeKernel
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
     cached_key_temper,
@@ -95,13 +95,14 @@ def fuse(
     memory: dict = {}  # their scratch space for this prefill
     temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
     row_kernel = native.attend_rows if native is not None else None
-    native_rope = (  # the kernel's layout: rotate_half over the whole head dim, bf16
+    rotate_: RopeKernel = model.rotate_
+    if (  # the native RoPE's layout: rotate_half over the whole head dim, bf16
         native is not None
         and model.rope_rotates_half
         and cos_all.shape[-1] == model.head_dim
         and cos_all.dtype == torch.bfloat16
-    )
-    rotate_ = native.rope_ if native is not None and native_rope else model.rotate_
+    ):
+        rotate_ = native.rope_
     for layer, k_cached, v_cached in layers:
         # project
         proj = model.project(layer, hidden, cos, sin)

@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -32,7 +32,7 @@ from ragblend.models.dtype import cpu_flags
 log = logging.getLogger(__name__)
 
 RowAttention = Literal["auto", "native", "sdpa"]
-ROW_ATTENTION: tuple[str, ...] = ("auto", "native", "sdpa")
+ROW_ATTENTION: tuple[str, ...] = get_args(RowAttention)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("rows_attention.cpp", "rope.cpp")]
 # The kernels' tile instructions and the vector code they are compiled with.
 REQUIRED_CPU_FLAGS = frozenset(
@@ -63,6 +63,15 @@ class NativeKernels(NamedTuple):
 
     attend_rows: RowKernel
     rope_: RopeKernel
+
+
+def check_row_attention(choice: str) -> str:
+    """``choice`` if it is a ``row_attention`` value, else a RagblendError naming them."""
+    if choice not in ROW_ATTENTION:
+        raise RagblendError(
+            f"unknown row_attention {choice!r}; expected one of {', '.join(ROW_ATTENTION)}"
+        )
+    return choice
 
 
 def cpu_runs_kernel() -> bool:
@@ -99,9 +108,9 @@ def _compiled() -> NativeKernels:
         )
     except Exception as exc:  # compiler missing or failing: the message says which
         raise RagblendError(f"could not build ragblend's native kernels: {exc}") from exc
-    if not torch.ops.ragblend_native.supported():
-        raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
     ops = torch.ops.ragblend_native
+    if not ops.supported():
+        raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
     return NativeKernels(ops.attend_rows, ops.rope_)
 
 
@@ -111,11 +120,7 @@ def native_kernels(
     """The native kernels for a model with this dtype, device and head dim, or ``None`` for
     SDPA blocks and torch's RoPE. ``choice`` is ``"auto"``, ``"native"`` (RagblendError when
     they cannot run) or ``"sdpa"``."""
-    if choice not in ROW_ATTENTION:
-        raise RagblendError(
-            f"unknown row_attention {choice!r}; expected one of {', '.join(ROW_ATTENTION)}"
-        )
-    if choice == "sdpa":
+    if check_row_attention(choice) == "sdpa":
         return None
     fits = dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
     if not fits:
