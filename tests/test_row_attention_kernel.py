@@ -113,9 +113,9 @@ def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(fam
     # every layer after the check layer runs the kernel (Mistral's default 4096-token window
     # is longer than the prompt, so it masks nothing)
     assert len(calls) == engine.layers.num_layers - 1
-    # every layer but the check layer (which compares fresh keys with the unrotated cache)
-    # rotates its cached keys in place, with the native RoPE
-    assert len(rotations) == engine.layers.num_layers - 1
+    # every layer rotates its fresh queries and keys with the native RoPE, and every layer but
+    # the check layer (which compares fresh keys with the unrotated cache) its cached keys
+    assert len(rotations) == 2 * engine.layers.num_layers + engine.layers.num_layers - 1
     assert 0 < got.stats.recomputed_fraction < 1
     assert torch.equal(got.fusion.selected, want.fusion.selected)
     torch.testing.assert_close(got.logits.float(), want.logits.float(), atol=3e-2, rtol=0)
@@ -171,3 +171,20 @@ def test_native_rope_rotates_in_place_bit_for_bit_as_hf(family, tokenizer):
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="cos and sin"):
         engine.native.rope_(got, cos[:, :10], sin[:, :10])
+
+
+@needs_amx
+@pytest.mark.parametrize("family", FAMILIES)
+def test_projections_with_the_native_rope_equal_hf_bit_for_bit(family, tokenizer):
+    model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
+    layers = engine_for(model, tokenizer).layers
+    kernels = native.native_kernels("native", torch.bfloat16, torch.device("cpu"), 32)
+    assert kernels is not None
+    torch.manual_seed(0)
+    rows = torch.tensor(sorted(torch.randperm(400)[:90].tolist()))
+    hidden = torch.randn(1, 90, 128).bfloat16()
+    cos, sin = layers.rope(rows, hidden)
+    want = layers.project(1, hidden, cos, sin)
+    got = layers.project(1, hidden, cos, sin, kernels.rope_)
+    for name in ("q", "k", "k_pre", "v"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

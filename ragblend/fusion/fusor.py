@@ -96,16 +96,17 @@ def fuse(
     temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
     row_kernel = native.attend_rows if native is not None else None
     rotate_: RopeKernel = model.rotate_
+    fresh_rope: RopeKernel | None = None  # RoPE of the projected rows: HF's unless native
     if (  # the native RoPE's layout: rotate_half over the whole head dim, bf16
         native is not None
         and model.rope_rotates_half
         and cos_all.shape[-1] == model.head_dim
         and cos_all.dtype == torch.bfloat16
     ):
-        rotate_ = native.rope_
+        rotate_ = fresh_rope = native.rope_
     for layer, k_cached, v_cached in layers:
         # project
-        proj = model.project(layer, hidden, cos, sin)
+        proj = model.project(layer, hidden, cos, sin, fresh_rope)
         if trace is not None:
             trace.projected(layer, proj, active)
         # select (scores compare fresh rows with the still-unmodified pre-RoPE cache)

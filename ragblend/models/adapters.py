@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ragblend.errors import UnsupportedModelError
 from ragblend.models.packed import qkv_projections
+
+if TYPE_CHECKING:
+    from ragblend.fusion.native import RopeKernel
 
 
 @dataclass
@@ -121,13 +124,24 @@ class LayerwiseModel:
         )
 
     def project(
-        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rope_: RopeKernel | None = None,
     ) -> LayerProjections:
-        """input_layernorm + Q/K/V projections (+ family norms) + RoPE for the given rows."""
+        """input_layernorm + Q/K/V projections (+ family norms) + RoPE for the given rows.
+
+        ``rope_``: an in-place RoPE with HF's values for this family (ragblend's native one,
+        see ``LayerwiseModel.rotate_``) to use instead of ``apply_rotary_pos_emb``."""
         block = self.layers[layer]
         x = block.input_layernorm(hidden)
         q, k_pre, v = self._qkv(block.self_attn, x)
-        q, k = self._apply_rotary(q, k_pre, cos, sin)
+        if rope_ is None:
+            q, k = self._apply_rotary(q, k_pre, cos, sin)
+        else:  # q is this call's own; k_pre is kept for the selectors and the store
+            q, k = rope_(q, cos, sin), rope_(k_pre.clone(), cos, sin)
         return LayerProjections(q=q, k_pre=k_pre, k=k, v=v)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
