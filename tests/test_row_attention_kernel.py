@@ -175,16 +175,49 @@ def test_native_rope_rotates_in_place_bit_for_bit_as_hf(family, tokenizer):
 
 @needs_amx
 @pytest.mark.parametrize("family", FAMILIES)
-def test_projections_with_the_native_rope_equal_hf_bit_for_bit(family, tokenizer):
+def test_a_layer_with_the_native_rope_and_norm_equals_hf_bit_for_bit(family, tokenizer):
     model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
     layers = engine_for(model, tokenizer).layers
+    assert layers.llama_rms_norms
     kernels = native.native_kernels("native", torch.bfloat16, torch.device("cpu"), 32)
-    assert kernels is not None
+    assert kernels is not None and kernels.rms_norm is not None
     torch.manual_seed(0)
     rows = torch.tensor(sorted(torch.randperm(400)[:90].tolist()))
     hidden = torch.randn(1, 90, 128).bfloat16()
     cos, sin = layers.rope(rows, hidden)
     want = layers.project(1, hidden, cos, sin)
-    got = layers.project(1, hidden, cos, sin, kernels.rope_)
+    got = layers.project(1, hidden, cos, sin, kernels.rope_, kernels.rms_norm)
     for name in ("q", "k", "k_pre", "v"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+    attn = torch.randn(1, 90, 128).bfloat16()
+    want_out = layers.finish(1, hidden, attn)
+    assert torch.equal(layers.finish(1, hidden, attn, kernels.rms_norm), want_out)
+
+
+@needs_amx
+@pytest.mark.parametrize("width", [3, 8, 100, 576, 2048, 5120])
+def test_native_rms_norm_equals_hf_bit_for_bit(width):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kernels = native.native_kernels("native", torch.bfloat16, torch.device("cpu"), 64)
+    assert kernels is not None and kernels.rms_norm is not None
+    norm = LlamaRMSNorm(width, eps=1e-5).bfloat16()
+    torch.manual_seed(width)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width) * 0.3 + 1)
+    for scale in (1e-3, 1.0, 50.0):  # 1e-3: the variance is of the order of eps
+        x = (torch.randn(2, 300, width) * scale).bfloat16()
+        assert torch.equal(kernels.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(x, norm.weight[1:], 1e-5)
+
+
+def test_a_norm_kernel_that_differs_from_torch_is_not_used(caplog):
+    def one_rounding_fewer(x, weight, eps):  # as F.rms_norm: off by one bf16 ulp at times
+        x32 = x.float()
+        return (weight * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+
+    assert native._rms_norm_if_exact(native.llama_rms_norm) is native.llama_rms_norm
+    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.native"):
+        assert native._rms_norm_if_exact(one_rounding_fewer) is None
+    assert "does not match torch" in caplog.text

@@ -9,7 +9,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.native import NativeKernels, RopeKernel
+from ragblend.fusion.native import NativeKernels, NormKernel, RopeKernel
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
     cached_key_temper,
@@ -104,9 +104,12 @@ def fuse(
         and cos_all.dtype == torch.bfloat16
     ):
         rotate_ = fresh_rope = native.rope_
+    norm: NormKernel | None = (
+        native.rms_norm if native is not None and model.llama_rms_norms else None
+    )
     for layer, k_cached, v_cached in layers:
         # project
-        proj = model.project(layer, hidden, cos, sin, fresh_rope)
+        proj = model.project(layer, hidden, cos, sin, fresh_rope, norm)
         if trace is not None:
             trace.projected(layer, proj, active)
         # select (scores compare fresh rows with the still-unmodified pre-RoPE cache)
@@ -148,7 +151,7 @@ def fuse(
         else:
             attn = temper.attend(q, k_full, v_cached, plan, model.scaling(layer), computed)
         # finish
-        hidden = model.finish(layer, hidden, attn)
+        hidden = model.finish(layer, hidden, attn, norm)
         keys.append(k_full)
         values.append(v_cached)
 

@@ -6,8 +6,10 @@ SDPA in position-ordered blocks with additive masks, each block reading keys up 
 row. ``csrc/rows_attention.cpp`` does the whole layer in one call: AMX tile matmuls (ATen's
 brgemm micro-kernel) over row tiles in position order, each row's online softmax stopping at
 its own position, the query heads of one KV head stacked into one tile. Beside it,
-``csrc/rope.cpp`` rotates the cached keys of a layer in place in one pass (torch takes five).
-bf16 on CPUs with AMX-BF16 only; elsewhere (fp32, CUDA, a sliding window) the SDPA blocks run.
+``csrc/rope.cpp`` rotates keys and queries in place in one pass (torch takes five) and
+``csrc/rms_norm.cpp`` is HF's Llama RMSNorm in one pass (torch takes six); both give HF's
+values bit for bit. bf16 on CPUs with AMX-BF16 only; elsewhere (fp32, CUDA, a sliding window)
+the SDPA blocks and HF's modules run.
 
 ``row_attention="auto"`` (the default) uses the kernels where they apply and warns once when a
 CPU that could run them cannot build them (no C++ compiler); ``"native"`` raises instead;
@@ -33,7 +35,10 @@ log = logging.getLogger(__name__)
 
 RowAttention = Literal["auto", "native", "sdpa"]
 ROW_ATTENTION: tuple[str, ...] = get_args(RowAttention)
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("rows_attention.cpp", "rope.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp")
+]
 # The kernels' tile instructions and the vector code they are compiled with.
 REQUIRED_CPU_FLAGS = frozenset(
     {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}
@@ -56,13 +61,17 @@ COMPILE_FLAGS = [
 RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # k [1, Hkv, N, d] rotated in place (and returned), cos, sin [1, N, d]
 RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# x [..., D] contiguous, weight [D], eps -> a new tensor like x
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class NativeKernels(NamedTuple):
-    """The compiled kernels: selected-row attention and in-place RoPE of cached keys."""
+    """The compiled kernels: selected-row attention, in-place RoPE and Llama's RMSNorm
+    (``None`` where it does not match this torch's bit for bit, see ``_rms_norm_if_exact``)."""
 
     attend_rows: RowKernel
     rope_: RopeKernel
+    rms_norm: NormKernel | None = None
 
 
 def check_row_attention(choice: str) -> str:
@@ -111,7 +120,32 @@ def _compiled() -> NativeKernels:
     ops = torch.ops.ragblend_native
     if not ops.supported():
         raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
-    return NativeKernels(ops.attend_rows, ops.rope_)
+    return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm))
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's ``LlamaRMSNorm.forward``, as torch runs it."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _rms_norm_if_exact(kernel: NormKernel) -> NormKernel | None:
+    """``kernel`` if it equals :func:`llama_rms_norm` bit for bit on random rows of a few
+    widths, else None with a warning. The kernel sums the squares in the order of torch's CPU
+    sum kernel, which a torch other than the one ragblend pins could change."""
+    gen = torch.Generator().manual_seed(0)
+    for width in (576, 1000, 4096):
+        x = (torch.randn(33, width, generator=gen) * 20).bfloat16()
+        weight = (torch.randn(width, generator=gen) * 0.3 + 1).bfloat16()
+        if not torch.equal(kernel(x, weight, 1e-6), llama_rms_norm(x, weight, 1e-6)):
+            log.warning(
+                "ragblend's native RMSNorm does not match torch %s bit for bit; "
+                "the fusor uses HF's RMSNorm",
+                torch.__version__,
+            )
+            return None
+    return kernel
 
 
 def native_kernels(

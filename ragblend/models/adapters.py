@@ -17,7 +17,10 @@ from ragblend.errors import UnsupportedModelError
 from ragblend.models.packed import qkv_projections
 
 if TYPE_CHECKING:
-    from ragblend.fusion.native import RopeKernel
+    from ragblend.fusion.native import NormKernel, RopeKernel
+
+# The RMSNorm classes whose forward is LlamaRMSNorm's (what ragblend's native norm computes).
+LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
 
 @dataclass
@@ -51,6 +54,11 @@ class LayerwiseModel:
         self.num_heads: int = self.config.num_attention_heads
         self.num_kv_heads: int = self.config.num_key_value_heads
         self.hidden_size: int = self.config.hidden_size
+        self.llama_rms_norms: bool = all(
+            type(norm).__name__ in LLAMA_RMS_NORMS
+            for block in self.layers
+            for norm in (block.input_layernorm, block.post_attention_layernorm)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -130,13 +138,15 @@ class LayerwiseModel:
         cos: torch.Tensor,
         sin: torch.Tensor,
         rope_: RopeKernel | None = None,
+        norm: NormKernel | None = None,
     ) -> LayerProjections:
         """input_layernorm + Q/K/V projections (+ family norms) + RoPE for the given rows.
 
         ``rope_``: an in-place RoPE with HF's values for this family (ragblend's native one,
-        see ``LayerwiseModel.rotate_``) to use instead of ``apply_rotary_pos_emb``."""
+        see ``LayerwiseModel.rotate_``) to use instead of ``apply_rotary_pos_emb``; ``norm``:
+        the same for the layer norms (for ``llama_rms_norms`` models)."""
         block = self.layers[layer]
-        x = block.input_layernorm(hidden)
+        x = _normed(block.input_layernorm, hidden, norm)
         q, k_pre, v = self._qkv(block.self_attn, x)
         if rope_ is None:
             q, k = self._apply_rotary(q, k_pre, cos, sin)
@@ -144,11 +154,18 @@ class LayerwiseModel:
             q, k = rope_(q, cos, sin), rope_(k_pre.clone(), cos, sin)
         return LayerProjections(q=q, k_pre=k_pre, k=k, v=v)
 
-    def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual + post-attention norm + MLP + residual; attn_out [1, T, H*d]."""
+    def finish(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        attn_out: torch.Tensor,
+        norm: NormKernel | None = None,
+    ) -> torch.Tensor:
+        """o_proj + residual + post-attention norm + MLP + residual; attn_out [1, T, H*d].
+        ``norm``: see ``project``."""
         block = self.layers[layer]
         hidden = hidden + block.self_attn.o_proj(attn_out)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return hidden + block.mlp(_normed(block.post_attention_layernorm, hidden, norm))
 
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on hidden states [1, T, D] → fp32 logits [T, V]."""
@@ -180,6 +197,12 @@ class Qwen3Layerwise(Qwen2Layerwise):
             attn.k_norm(k.view(shape)).transpose(1, 2),
             v.view(shape).transpose(1, 2),
         )
+
+
+def _normed(module: Any, hidden: torch.Tensor, norm: NormKernel | None) -> torch.Tensor:
+    if norm is None:
+        return module(hidden)
+    return norm(hidden.contiguous(), module.weight, module.variance_epsilon)
 
 
 ADAPTERS: dict[str, type[LayerwiseModel]] = {
