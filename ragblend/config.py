@@ -57,8 +57,8 @@ class BlendConfig:
         where they run — bf16 on CPUs with AMX-BF16, compiled on first use — else SDPA in
         masked blocks; a capable CPU that cannot build them logs a warning), ``"native"``
         (an error where they cannot run) or ``"sdpa"``. Same attention either way, to bf16
-        rounding; the native path also rotates the cached keys in one pass (HF's RoPE values
-        bit for bit). See ``ragblend.fusion.native``.
+        rounding; the native path also runs the fusor's RoPE and Llama-family RMSNorms in one
+        pass each (HF's values bit for bit). See ``ragblend.fusion.native``.
     """
 
     ratio: float | Literal["auto"] = 0.15
