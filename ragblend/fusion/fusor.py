@@ -72,8 +72,8 @@ def fuse(
     (LayerLoader). ``schedule`` is [(check layer, fraction of cached rows kept)] (gradual
     filtering) and needs a ``selector``; ``None`` recomputes every non-exact row on every layer
     (ratio 1.0), ``[]`` recomputes only rows without a cache (full KV reuse).
-    ``native``: ragblend's CPU kernels for selected-row attention and the cached keys' RoPE
-    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA blocks and torch.
+    ``native``: ragblend's CPU kernels for selected-row attention, RoPE and RMSNorm
+    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA blocks and HF's modules.
     """
     if schedule and selector is None:
         raise RagblendError("a schedule with check layers needs a token selector")

@@ -123,22 +123,20 @@ def _compiled() -> NativeKernels:
     return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm))
 
 
-def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's ``LlamaRMSNorm.forward``, as torch runs it."""
-    x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
 def _rms_norm_if_exact(kernel: NormKernel) -> NormKernel | None:
-    """``kernel`` if it equals :func:`llama_rms_norm` bit for bit on random rows of a few
+    """``kernel`` if it equals HF's ``LlamaRMSNorm`` bit for bit on random rows of a few
     widths, else None with a warning. The kernel sums the squares in the order of torch's CPU
     sum kernel, which a torch other than the one ragblend pins could change."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     gen = torch.Generator().manual_seed(0)
     for width in (576, 1000, 4096):
-        x = (torch.randn(33, width, generator=gen) * 20).bfloat16()
-        weight = (torch.randn(width, generator=gen) * 0.3 + 1).bfloat16()
-        if not torch.equal(kernel(x, weight, 1e-6), llama_rms_norm(x, weight, 1e-6)):
+        norm = LlamaRMSNorm(width, eps=1e-6).bfloat16()
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width, generator=gen) * 0.3 + 1)
+            x = (torch.randn(33, width, generator=gen) * 20).bfloat16()
+            exact = torch.equal(kernel(x, norm.weight, norm.variance_epsilon), norm(x))
+        if not exact:
             log.warning(
                 "ragblend's native RMSNorm does not match torch %s bit for bit; "
                 "the fusor uses HF's RMSNorm",
@@ -152,8 +150,8 @@ def native_kernels(
     choice: str, dtype: torch.dtype, device: torch.device, head_dim: int
 ) -> NativeKernels | None:
     """The native kernels for a model with this dtype, device and head dim, or ``None`` for
-    SDPA blocks and torch's RoPE. ``choice`` is ``"auto"``, ``"native"`` (RagblendError when
-    they cannot run) or ``"sdpa"``."""
+    SDPA blocks and HF's RoPE and RMSNorm. ``choice`` is ``"auto"``, ``"native"``
+    (RagblendError when they cannot run) or ``"sdpa"``."""
     if check_row_attention(choice) == "sdpa":
         return None
     fits = dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
