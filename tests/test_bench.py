@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from ragblend import cpu
 from ragblend.bench.datasets import cut_to_tokens, load_cases
 from ragblend.bench.metrics import best_f1, f1_score, kl_divergence, normalize_answer
 from ragblend.cli import main
@@ -94,8 +95,11 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
         "n",
         "repeats",
         "torch_threads",
+        "cpu_isa",
+        "cpu_model",
     ):
         assert key in settings
+    assert settings["cpu_isa"] == cpu.cpu_isa() and settings["cpu_model"] == cpu.cpu_model()
     assert settings["top_k"] == 2 and settings["n"] == 1 and settings["tier"] == "ram"
     # dtype "auto" is recorded resolved ("bfloat16" on AMX/AVX512-BF16 CPUs, else "float32").
     assert settings["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")

@@ -7,7 +7,7 @@ import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import engine_for, hf_forward, layer_kv
 
-from ragblend import BlendConfig
+from ragblend import BlendConfig, cpu
 from ragblend.errors import RagblendError
 from ragblend.models import dtype as dtypes
 
@@ -27,26 +27,32 @@ WINDOWED = {
 }
 
 
+AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
 @pytest.mark.parametrize(
-    ("capability", "flags", "expected"),
+    ("flags", "cap", "expected"),
     [
-        ("AVX512", {"avx512f", "avx512_bf16"}, torch.bfloat16),
-        ("AMX", {"amx_bf16", "amx_tile"}, torch.bfloat16),
-        ("AVX2", {"avx2", "avx512_bf16"}, torch.float32),  # torch does not dispatch AVX512
-        ("AVX512", {"avx512f"}, torch.float32),  # AVX512 without its bf16 extension
-        ("DEFAULT", set(), torch.float32),
+        (AVX512 | {"avx512_bf16"}, None, torch.bfloat16),
+        (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, None, torch.bfloat16),
+        (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512", torch.float32),  # capped
+        (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx2", torch.float32),
+        ({"avx2", "fma", "avx512_bf16"}, None, torch.float32),  # no AVX512 under it
+        (AVX512, None, torch.float32),  # AVX512 without its bf16 extension
+        (set(), None, torch.float32),
     ],
 )
-def test_auto_dtype_is_bf16_only_on_cpus_with_bf16_instructions(
-    monkeypatch, capability, flags, expected
-):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+def test_auto_dtype_is_bf16_only_on_cpus_with_bf16_instructions(monkeypatch, flags, cap, expected):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    if cap is None:
+        monkeypatch.delenv("RAGBLEND_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("RAGBLEND_CPU_ISA", cap)
     assert dtypes.resolve_dtype("auto", "cpu") == expected
 
 
 def test_auto_dtype_is_bf16_on_cuda_whatever_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset())
     assert dtypes.resolve_dtype("auto", "cuda") == torch.bfloat16
     assert dtypes.resolve_dtype("auto", "cuda:1") == torch.bfloat16
 
@@ -57,12 +63,6 @@ def test_named_dtypes_resolve_and_unknown_ones_are_a_clear_error():
     assert dtypes.resolve_dtype(torch.float16) == torch.float16
     with pytest.raises(RagblendError, match="unknown dtype 'fp8'.*auto"):
         dtypes.resolve_dtype("fp8")
-
-
-def test_cpu_flags_read_from_proc_cpuinfo_are_a_set_of_names():
-    flags = dtypes.cpu_flags()
-    assert isinstance(flags, frozenset)
-    assert all(" " not in f for f in flags)
 
 
 def test_config_default_dtype_is_auto():

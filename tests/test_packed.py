@@ -8,16 +8,19 @@ import torch.nn.functional as F
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from torch import nn
 
-from ragblend import BlendConfig, BlendEngine
+from ragblend import BlendConfig, BlendEngine, cpu
 from ragblend.models import packed as packing
 from ragblend.models.packed import (
-    available,
+    cpu_packs,
     pack_one_row_linears,
     qkv_projections,
     unpack_one_row_linears,
 )
 
-pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not cpu_packs(),
+    reason=f"oneDNN packs bf16 weights with AVX512 or AVX-NE-CONVERT; CPU level {cpu.cpu_isa()}",
+)
 
 
 def test_one_row_inputs_equal_f_linear_bit_for_bit_and_other_inputs_go_to_f_linear():

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import cast
 
+from ragblend import cpu
 from ragblend.config import KV_DTYPES, MODES, BlendConfig
 from ragblend.fusion.native import ROW_ATTENTION
 
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        **cpu.describe(),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

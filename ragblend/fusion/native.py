@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple, get_args
 import torch
 
 from ragblend.errors import RagblendError
-from ragblend.models.dtype import cpu_flags
+from ragblend import cpu
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,7 @@ SOURCES = [
     for name in ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp")
 ]
 # The kernels' tile instructions and the vector code they are compiled with.
-REQUIRED_CPU_FLAGS = frozenset(
-    {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}
-)
+REQUIRED_LEVEL = "amx"
 COMPILE_FLAGS = [
     "-O3",
     "-DCPU_CAPABILITY_AVX512",
@@ -84,15 +82,18 @@ def check_row_attention(choice: str) -> str:
 
 
 def cpu_runs_kernel() -> bool:
-    """True when the CPU has the AMX-BF16 and AVX512 features the kernel is built for."""
-    return REQUIRED_CPU_FLAGS <= cpu_flags()
+    """True when the CPU level (:func:`ragblend.cpu.cpu_isa`) is ``amx``: AMX-BF16 tiles and
+    the AVX512 code the kernels are compiled with."""
+    return cpu.isa_at_least(REQUIRED_LEVEL)
 
 
 def build_kernels() -> NativeKernels:
     """Compile (or load the cached build of) the kernels; RagblendError says why they cannot."""
     if not cpu_runs_kernel():
-        missing = ", ".join(sorted(REQUIRED_CPU_FLAGS - cpu_flags()))
-        raise RagblendError(f"ragblend's native kernels need CPU features: {missing}")
+        raise RagblendError(
+            f"ragblend's native kernels need CPU level {REQUIRED_LEVEL} (amx_bf16, amx_tile, "
+            f"avx512_bf16, avx512f/bw/vl/dq); this CPU is at level {cpu.cpu_isa()}"
+        )
     return _compiled()
 
 

@@ -2,49 +2,28 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
 
 import torch
 
+from ragblend import cpu
 from ragblend.errors import RagblendError
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES: tuple[str, ...] = ("auto", *DTYPES)
 
-# CPU flags (as /proc/cpuinfo spells them) that give bf16 matmuls native throughput.
-BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it does not exist)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has AMX-BF16 or AVX512-BF16 and torch's kernels can use them.
-
-    torch's capability string says which ISA its kernels dispatch to ("AVX512", "AMX", …);
-    the flags say whether that ISA includes the bf16 instructions.
-    """
-    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
-    if "AVX512" not in capability and "AMX" not in capability:
-        return False
-    return bool(BF16_CPU_FLAGS & cpu_flags())
+_warned_slow_bf16 = False
 
 
 def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bf16 on CUDA and on CPUs with fast bf16 (see ``cpu_has_fast_bf16``), fp32 elsewhere."""
+    """bf16 on CUDA and on CPUs with bf16 instructions (``ragblend.cpu.has_fast_bf16``: the
+    ``avx512_bf16`` and ``amx`` levels), fp32 elsewhere."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.bfloat16
-    if kind == "cpu" and cpu_has_fast_bf16():
+    if kind == "cpu" and cpu.has_fast_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -56,8 +35,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if dtype == "auto":
         return auto_dtype(device)
     try:
-        return DTYPES[dtype]
+        resolved = DTYPES[dtype]
     except KeyError:
         raise RagblendError(
             f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_NAMES)}"
         ) from None
+    if resolved == torch.bfloat16 and torch.device(device).type == "cpu":
+        _warn_if_slow_bf16()
+    return resolved
+
+
+def _warn_if_slow_bf16() -> None:
+    """Once per process: bf16 asked for on a CPU without bf16 instructions."""
+    global _warned_slow_bf16
+    if _warned_slow_bf16 or cpu.has_fast_bf16():
+        return
+    _warned_slow_bf16 = True
+    log.warning(
+        "bfloat16 on a CPU at level %s (%s): no bf16 instructions, so matmuls convert to "
+        "fp32 and run slower than float32; dtype='auto' picks float32 here",
+        cpu.cpu_isa(),
+        cpu.cpu_model(),
+    )

@@ -11,10 +11,15 @@ output column is the same dot product, so the values stay identical, and a step 
 calls fewer per layer (≈7 % faster decoding at 3.2k tokens). The reordered weights are a
 second copy of the linear weights, made when an engine first decodes
 (``BlendConfig(packed_decode=False)`` keeps memory at one copy).
+
+oneDNN reorders bf16 weights only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
+(:func:`ragblend.cpu.onednn_packs_bf16`); elsewhere, or if the reorder fails anyway, the
+model keeps ``F.linear`` and one log line says why.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
@@ -22,7 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ragblend import cpu
+
+log = logging.getLogger(__name__)
+
 _ATTR = "_ragblend_packed"
+_TRIED = "_ragblend_pack_tried"  # on a model: packing was attempted (and logged) once
 _QKV = "_ragblend_packed_qkv"  # on an attention module: one-row x → (q, k, v)
 _QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 _GATE_UP_NAMES = ("gate_proj", "up_proj")
@@ -37,19 +47,46 @@ def available() -> bool:
     )
 
 
+def cpu_packs() -> bool:
+    """Whether oneDNN can prepack bf16 weights here: a oneDNN build and a CPU level it packs
+    at (see :func:`ragblend.cpu.onednn_packs_bf16`)."""
+    return available() and cpu.onednn_packs_bf16()
+
+
 def pack_one_row_linears(model: nn.Module) -> int:
     """Route one-row inputs of every bf16 CPU ``nn.Linear`` of ``model`` through a prepacked
     weight — q/k/v and gate/up fused, the others one by one; returns how many linears were
     newly packed (0 where it does not apply, and once ``model`` is packed: then this returns
-    at once).
+    at once). Where oneDNN cannot pack (:func:`cpu_packs`, or a reorder that raises), nothing
+    is packed and one log line per model says why.
 
     Fused linears get no prepacked copy of their own (that would be a third copy of their
     weights): their one-row path is :func:`qkv_projections` and the MLP's ``forward``, which
     the layer-wise decoder uses; HF's own forward (decoding over a sliding-window cache) runs
     q/k/v unpacked.
     """
-    if not available() or getattr(model, _ATTR, False):
+    if getattr(model, _ATTR, False) or getattr(model, _TRIED, False):
         return 0
+    if not any(_packable(m) for m in model.modules()):
+        return 0
+    setattr(model, _TRIED, True)
+    if not cpu_packs():
+        log.info(
+            "decoding without prepacked bf16 weights: oneDNN packs them with AVX512 or "
+            "AVX-NE-CONVERT, and this CPU is at level %s",
+            cpu.cpu_isa(),
+        )
+        return 0
+    try:
+        return _pack(model)
+    except RuntimeError as exc:  # oneDNN's own check of the CPU, should ours be wrong
+        unpack_one_row_linears(model)
+        setattr(model, _TRIED, True)
+        log.warning("decoding without prepacked bf16 weights: oneDNN could not pack (%s)", exc)
+        return 0
+
+
+def _pack(model: nn.Module) -> int:
     fused: set[int] = set()
     for module in model.modules():
         qkv = _fused(module, _QKV_NAMES)
@@ -75,6 +112,7 @@ def pack_one_row_linears(model: nn.Module) -> int:
 
 def unpack_one_row_linears(model: nn.Module) -> None:
     """Undo :func:`pack_one_row_linears` (the classes' own ``forward`` again)."""
+    vars(model).pop(_TRIED, None)
     for module in model.modules():
         vars(module).pop(_QKV, None)
         if getattr(module, _ATTR, False):
