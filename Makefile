@@ -6,7 +6,7 @@ PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 DATASET ?= ../shared/data/musique_dev.json
 
-.PHONY: venv install demo test bench lint typecheck clean redis-server compiler
+.PHONY: venv install demo test test-avx2 bench lint typecheck clean redis-server compiler
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q tests
 	for d in integrations/*/tests; do $(BIN)/python -m pytest -q $$d || exit 1; done
+
+# The core suite on the paths an AVX2-only CPU takes, on any CPU: ragblend's level capped
+# (ragblend.cpu), torch's and oneDNN's kernels too.
+test-avx2: install
+	RAGBLEND_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(BIN)/python -m pytest -q tests
 
 bench: install
 	$(BIN)/ragblend bench --dataset $(DATASET) --limit 10 --top-k 6 --chunk-tokens 512 \

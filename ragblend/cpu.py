@@ -9,7 +9,7 @@ The levels, each including the ones before it:
 - ``avx512_bf16``: AVX512 with its bf16 dot products. bf16 matmuls at native throughput.
 - ``amx``: AMX tiles with bf16 (Intel Sapphire Rapids on). ragblend's AMX kernels run here.
 
-``RAGBLEND_CPU_ISA`` (one of :data:`LEVELS` above ``baseline``) caps the level, never above
+``RAGBLEND_CPU_ISA`` (one of :data:`LEVELS`) caps the level, never above
 what the CPU has, so a big machine runs the paths of a small one. It caps ragblend's own
 choices (the ``"auto"`` dtype, packed decoding, the native kernels); torch's kernels follow
 their own variables, ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``, which must be set
@@ -121,7 +121,7 @@ def _capped(cap: str, native: str) -> str:
         return native
     if cap not in LEVELS:
         raise RagblendError(
-            f"{ENV_CAP}={cap!r} is not a CPU level; expected one of {', '.join(LEVELS[1:])}"
+            f"{ENV_CAP}={cap!r} is not a CPU level; expected one of {', '.join(LEVELS)}"
         )
     if _rank(cap) > _rank(native):
         log.warning("%s=%s is above this CPU's level (%s); using %s", ENV_CAP, cap, native, native)

@@ -24,7 +24,8 @@ SLACK = 1.5
 FLOOR = 2e-3
 
 needs_amx = pytest.mark.skipif(
-    not native.cpu_runs_kernel(), reason="the native kernel runs on CPUs with AMX-BF16"
+    not native.cpu_runs_kernel(torch.bfloat16),
+    reason="the native bf16 kernels run on CPUs at the amx level",
 )
 
 
@@ -124,10 +125,11 @@ def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(fam
 def test_kernel_choice_follows_dtype_device_and_config(monkeypatch, caplog):
     cpu = torch.device("cpu")
     assert native.native_kernels("sdpa", torch.bfloat16, cpu, 64) is None
-    assert native.native_kernels("auto", torch.float32, cpu, 64) is None
+    assert native.native_kernels("auto", torch.float16, cpu, 64) is None
+    assert native.native_kernels("auto", torch.float32, cpu, 24) is None  # head dim 24
     assert native.native_kernels("auto", torch.bfloat16, torch.device("cuda"), 64) is None
-    with pytest.raises(RagblendError, match="bf16 models on CPU"):
-        native.native_kernels("native", torch.float32, cpu, 64)
+    with pytest.raises(RagblendError, match="bf16 models .* on CPU; this model is torch.float16"):
+        native.native_kernels("native", torch.float16, cpu, 64)
     with pytest.raises(RagblendError, match="unknown row_attention 'flash'"):
         native.native_kernels("flash", torch.bfloat16, cpu, 64)
     with pytest.raises(RagblendError, match="unknown row_attention"):
@@ -136,15 +138,15 @@ def test_kernel_choice_follows_dtype_device_and_config(monkeypatch, caplog):
     # a CPU without AMX: auto quietly takes SDPA blocks, native names what is missing
     monkeypatch.setenv("RAGBLEND_CPU_ISA", "avx2")
     assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None
-    with pytest.raises(RagblendError, match="level amx .* at level avx2"):
+    with pytest.raises(RagblendError, match="need CPU level amx; this CPU is at level avx2"):
         native.native_kernels("native", torch.bfloat16, cpu, 64)
 
 
 def test_a_capable_cpu_that_cannot_build_the_kernel_warns_and_uses_sdpa(monkeypatch, caplog):
-    def no_compiler():
+    def no_compiler(*_):
         raise RagblendError("could not build ragblend's native kernels: no c++")
 
-    monkeypatch.setattr(native, "cpu_runs_kernel", lambda: True)
+    monkeypatch.setattr(native, "cpu_runs_kernel", lambda *_: True)
     monkeypatch.setattr(native, "build_kernels", no_compiler)
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="ragblend.fusion.native"):

@@ -97,11 +97,11 @@ def fuse(
     row_kernel = native.attend_rows if native is not None else None
     rotate_: RopeKernel = model.rotate_
     fresh_rope: RopeKernel | None = None  # RoPE of the projected rows: HF's unless native
-    if (  # the native RoPE's layout: rotate_half over the whole head dim, bf16
+    if (  # the native RoPE's layout: rotate_half over the whole head dim, in its dtype
         native is not None
         and model.rope_rotates_half
         and cos_all.shape[-1] == model.head_dim
-        and cos_all.dtype == torch.bfloat16
+        and cos_all.dtype == native.dtype
     ):
         rotate_ = fresh_rope = native.rope_
     norm: NormKernel | None = (

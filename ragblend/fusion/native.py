@@ -8,8 +8,11 @@ brgemm micro-kernel) over row tiles in position order, each row's online softmax
 its own position, the query heads of one KV head stacked into one tile. Beside it,
 ``csrc/rope.cpp`` rotates keys and queries in place in one pass (torch takes five) and
 ``csrc/rms_norm.cpp`` is HF's Llama RMSNorm in one pass (torch takes six); both give HF's
-values bit for bit. bf16 on CPUs with AMX-BF16 only; elsewhere (fp32, CUDA, a sliding window)
-the SDPA blocks and HF's modules run.
+values bit for bit. That build is for bf16 on CPUs at the ``amx`` level (:mod:`ragblend.cpu`).
+A second build, for fp32 on any CPU at the ``avx2`` level or above, has the same selected-row
+attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``) and the same one-pass
+RoPE (``csrc/rope_f32.cpp``, HF's fp32 values bit for bit). Elsewhere (fp16, CUDA, a sliding
+window, a CPU below the build's level) the SDPA blocks and HF's modules run.
 
 ``row_attention="auto"`` (the default) uses the kernels where they apply and warns once when a
 CPU that could run them cannot build them (no C++ compiler); ``"native"`` raises instead;
@@ -23,6 +26,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple, get_args
 
@@ -35,25 +39,64 @@ log = logging.getLogger(__name__)
 
 RowAttention = Literal["auto", "native", "sdpa"]
 ROW_ATTENTION: tuple[str, ...] = get_args(RowAttention)
-SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp")
-]
-# The kernels' tile instructions and the vector code they are compiled with.
-REQUIRED_LEVEL = "amx"
-COMPILE_FLAGS = [
-    "-O3",
-    "-DCPU_CAPABILITY_AVX512",
-    "-DCPU_CAPABILITY=AVX512",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512dq",
-    "-mavx512bf16",
-    "-mfma",
-    # at::parallel_for's OpenMP pragmas; the runtime is torch's own libgomp, already loaded
-    "-fopenmp",
-]
+CSRC = Path(__file__).with_name("csrc")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compiled extension: its sources, the CPU level and flags it is compiled for, the
+    dtype its kernels take and the head dims they handle (multiples of ``head_multiple``)."""
+
+    name: str
+    sources: tuple[str, ...]
+    level: str
+    flags: tuple[str, ...]
+    dtype: torch.dtype
+    head_multiple: int
+
+
+# at::parallel_for's OpenMP pragmas; the runtime is torch's own libgomp, already loaded
+_OPENMP = "-fopenmp"
+BUILDS = {
+    torch.bfloat16: Build(
+        "ragblend_native",
+        ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp"),
+        "amx",
+        # AMX tile instructions through ATen's brgemm, AVX512 vector code around them
+        (
+            "-O3",
+            "-DCPU_CAPABILITY_AVX512",
+            "-DCPU_CAPABILITY=AVX512",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+            "-mfma",
+            _OPENMP,
+        ),
+        torch.bfloat16,
+        32,
+    ),
+    torch.float32: Build(
+        "ragblend_native_f32",
+        ("rows_attention_f32.cpp", "rope_f32.cpp"),
+        "avx2",
+        # at::vec's 8-lane AVX2 code; no FMA contraction: the RoPE's products round as HF's
+        (
+            "-O3",
+            "-DCPU_CAPABILITY_AVX2",
+            "-DCPU_CAPABILITY=AVX2",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-ffp-contract=off",
+            _OPENMP,
+        ),
+        torch.float32,
+        16,
+    ),
+}
 
 # q [1, H, m, d], k [1, Hkv, N, d], v [1, Hkv, N, d], positions [m] int64, scale -> [1, m, H*d]
 RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -64,12 +107,14 @@ NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class NativeKernels(NamedTuple):
-    """The compiled kernels: selected-row attention, in-place RoPE and Llama's RMSNorm
-    (``None`` where it does not match this torch's bit for bit, see ``_rms_norm_if_exact``)."""
+    """The compiled kernels for one ``dtype``: selected-row attention, in-place RoPE and
+    Llama's RMSNorm (``None`` where there is none for the dtype, or it does not match this
+    torch's bit for bit, see ``_rms_norm_if_exact``)."""
 
     attend_rows: RowKernel
     rope_: RopeKernel
     rms_norm: NormKernel | None = None
+    dtype: torch.dtype = torch.bfloat16
 
 
 def check_row_attention(choice: str) -> str:
@@ -81,24 +126,29 @@ def check_row_attention(choice: str) -> str:
     return choice
 
 
-def cpu_runs_kernel() -> bool:
-    """True when the CPU level (:func:`ragblend.cpu.cpu_isa`) is ``amx``: AMX-BF16 tiles and
-    the AVX512 code the kernels are compiled with."""
-    return cpu.isa_at_least(REQUIRED_LEVEL)
+def cpu_runs_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True when the CPU level (:func:`ragblend.cpu.cpu_isa`) is at least the level the
+    kernels for ``dtype`` are compiled for (bf16: ``amx``; fp32: ``avx2``)."""
+    build = BUILDS.get(dtype)
+    return build is not None and cpu.isa_at_least(build.level)
 
 
-def build_kernels() -> NativeKernels:
-    """Compile (or load the cached build of) the kernels; RagblendError says why they cannot."""
-    if not cpu_runs_kernel():
+def build_kernels(dtype: torch.dtype = torch.bfloat16) -> NativeKernels:
+    """Compile (or load the cached build of) the kernels for ``dtype``; RagblendError says
+    why they cannot."""
+    build = BUILDS.get(dtype)
+    if build is None:
+        raise RagblendError(f"ragblend has no native kernels for {dtype}")
+    if not cpu_runs_kernel(dtype):
         raise RagblendError(
-            f"ragblend's native kernels need CPU level {REQUIRED_LEVEL} (amx_bf16, amx_tile, "
-            f"avx512_bf16, avx512f/bw/vl/dq); this CPU is at level {cpu.cpu_isa()}"
+            f"ragblend's native {dtype} kernels need CPU level {build.level}; this CPU is at "
+            f"level {cpu.cpu_isa()} ({cpu.cpu_model()})"
         )
-    return _compiled()
+    return _compiled(dtype)
 
 
 @functools.cache
-def _compiled() -> NativeKernels:
+def _compiled(dtype: torch.dtype) -> NativeKernels:
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:
@@ -108,20 +158,48 @@ def _compiled() -> NativeKernels:
 
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
-    log.info("loading ragblend's native kernels (compiled once per machine)")
+    build = BUILDS[dtype]
+    log.info("loading ragblend's native %s kernels (compiled once per machine)", dtype)
     try:
         load(
-            name="ragblend_native",
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=COMPILE_FLAGS,
+            name=build.name,
+            sources=[str(CSRC / name) for name in build.sources],
+            extra_cflags=list(build.flags),
             is_python_module=False,
         )
     except Exception as exc:  # compiler missing or failing: the message says which
         raise RagblendError(f"could not build ragblend's native kernels: {exc}") from exc
-    ops = torch.ops.ragblend_native
+    ops = getattr(torch.ops, build.name)
+    if dtype == torch.float32:
+        _check_f32(ops.attend_rows, ops.rope_)
+        return NativeKernels(ops.attend_rows, ops.rope_, None, dtype)
     if not ops.supported():
         raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
-    return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm))
+    return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm), dtype)
+
+
+def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
+    """RagblendError unless the fp32 kernels give HF's RoPE bit for bit and SDPA's attention
+    to fp32 rounding, on random inputs: the attention's sgemm is the BLAS inside torch's CPU
+    library, whose behaviour ragblend does not control."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 300, 32, generator=gen)
+    v = torch.randn(1, 2, 300, 32, generator=gen)
+    cos, sin = torch.randn(2, 1, 300, 32, generator=gen)
+    want = apply_rotary_pos_emb(k, k, cos, sin)[0]
+    if not torch.equal(rope_(k.clone(), cos, sin), want):
+        raise RagblendError("the native fp32 RoPE does not match HF's bit for bit")
+    positions = torch.randperm(300, generator=gen)[:70].sort().values
+    q = torch.randn(1, 4, 70, 32, generator=gen)
+    mask = torch.arange(300).view(1, -1) <= positions.view(-1, 1)  # causal by position
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True
+    )
+    got = attend(q, k, v, positions, 0.2)
+    if not torch.allclose(got, ref.transpose(1, 2).reshape(1, 70, -1), atol=1e-5, rtol=1e-4):
+        raise RagblendError("the native fp32 row attention does not match SDPA's")
 
 
 def _rms_norm_if_exact(kernel: NormKernel) -> NormKernel | None:
@@ -155,18 +233,19 @@ def native_kernels(
     (RagblendError when they cannot run) or ``"sdpa"``."""
     if check_row_attention(choice) == "sdpa":
         return None
-    fits = dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
-    if not fits:
+    build = BUILDS.get(dtype) if device.type == "cpu" else None
+    if build is None or head_dim % build.head_multiple:
         if choice == "native":
             raise RagblendError(
-                "row_attention='native' runs bf16 models on CPU with a head dim that is a "
-                f"multiple of 32; this model is {dtype} on {device.type}, head dim {head_dim}"
+                "row_attention='native' runs float32 models (head dim a multiple of 16) and "
+                "bf16 models (a multiple of 32) on CPU; this model is "
+                f"{dtype} on {device.type}, head dim {head_dim}"
             )
         return None
-    if choice == "auto" and not cpu_runs_kernel():
+    if choice == "auto" and not cpu_runs_kernel(dtype):
         return None
     try:
-        return build_kernels()
+        return build_kernels(dtype)
     except RagblendError as exc:
         if choice == "native":
             raise
