@@ -32,8 +32,8 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from ragblend.errors import RagblendError
 from ragblend import cpu
+from ragblend.errors import RagblendError
 
 log = logging.getLogger(__name__)
 
