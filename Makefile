@@ -56,11 +56,13 @@ bench: install
 	$(BIN)/ragblend bench --dataset $(DATASET) --limit 10 --top-k 6 --chunk-tokens 512 \
 		--modes full,prefix,reuse,blend --repeats 3 --out out/bench
 
-LINT_PATHS := ragblend tests integrations examples benchmarks
+LINT_PATHS := ragblend tests integrations examples benchmarks tools
 
+# ruff, then no import cycle inside ragblend/ (imports under `if TYPE_CHECKING:` aside).
 lint: install
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/python tools/import_cycles.py ragblend
 
 typecheck: install
 	$(BIN)/mypy ragblend

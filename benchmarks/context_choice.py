@@ -7,7 +7,7 @@ same held-out questions, interleaved, scored by fidelity to full prefill. Writes
 ``OUT/context_choice.json``.
 
     python benchmarks/context_choice.py --dataset ../shared/data/musique_dev.json --offset 20 \
-        --limit 8 --out benchmarks/results/cpu
+        --limit 8 --out benchmarks/results/intel-amx
 """
 
 from __future__ import annotations

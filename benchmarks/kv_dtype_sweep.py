@@ -9,7 +9,7 @@ cold (OS page cache dropped) then warm, dtypes interleaved per repetition. The d
 entries' (kv_dtype = compute dtype). Writes ``OUT/kv_dtype_sweep_<dtype>.json`` and ``.md``.
 
     python benchmarks/kv_dtype_sweep.py --dataset ../shared/data/musique_dev.json --offset 20 \
-        --limit 8 --dtype float32 --out benchmarks/results/cpu
+        --limit 8 --dtype float32 --out benchmarks/results/intel-amx
 """
 
 from __future__ import annotations

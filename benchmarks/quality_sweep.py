@@ -13,7 +13,7 @@ instead of a token-by-token decode per variant — what makes a 20-question grid
 2-core CPU — and it is stricter than sweep.py's normalised-text agreement.
 
     python benchmarks/quality_sweep.py --dataset ../shared/data/musique_dev.json \\
-        --offset 20 --limit 20 --out benchmarks/results/cpu
+        --offset 20 --limit 20 --out benchmarks/results/intel-amx
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ others ``blend_redis_lpf{N}``), all from the same server, interleaved with the r
 ``--unix-socket`` adds ``blend_redis_unix``: the same server through a unix socket.
 
     python benchmarks/tier_compare.py --dataset ../shared/data/musique_dev.json --limit 10 \
-        --out benchmarks/results/cpu
+        --out benchmarks/results/intel-amx
 """
 
 from __future__ import annotations

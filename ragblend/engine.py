@@ -17,7 +17,8 @@ from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fusion.fusor import fuse
 from ragblend.fusion.native import NativeKernels, native_kernels
-from ragblend.fusion.selectors import TokenSelector, make_selector
+from ragblend.fusion.selection import make_selector
+from ragblend.fusion.selectors import TokenSelector
 from ragblend.generation import (
     BlendResult,
     BlendStats,

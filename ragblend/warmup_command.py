@@ -14,7 +14,7 @@ import argparse
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ragblend.errors import RagblendError
@@ -126,10 +126,9 @@ def run(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         from ragblend.models.loading import model_dir
-        from ragblend.warmup_ray import run_ray
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir(args.model))
-        return run_ray(args, _chunks(args, tokenizer), config)
+        return _run_ray(args, _chunks(args, tokenizer), config)
     store = _open_store(args)
     engine = BlendEngine.from_pretrained(args.model, config=BlendConfig(**config), store=store)
     return _run_local(args, engine, store, _chunks(args, engine.tokenizer))
@@ -221,3 +220,42 @@ def _run_local(args: argparse.Namespace, engine, store, chunks: list[str]) -> in
     if interrupted:
         return 130
     return 1 if failed_writes or queue.errors else 0
+
+
+def _run_ray(args: argparse.Namespace, chunks: Sequence[str], config: dict) -> int:
+    """The ``ragblend warmup --ray`` command on a Ray cluster: progress bar and summary line."""
+    from tqdm.auto import tqdm
+
+    from ragblend.warmup_ray import warm_on_ray
+
+    bar = tqdm(
+        total=len(chunks),
+        unit="chunk",
+        desc="warmup (ray)",
+        disable=args.no_progress,
+        dynamic_ncols=True,
+    )
+    try:
+        report = warm_on_ray(
+            chunks,
+            model=str(args.model),
+            redis_url=args.redis_url,
+            namespace=args.namespace,
+            config=config,
+            address=None if args.ray == "local" else args.ray,
+            actors=args.ray_actors,
+            batch_size=args.batch_size,
+            threads_per_actor=args.threads_per_actor,
+            on_batch=bar.update,
+        )
+    finally:
+        bar.close()
+    print(
+        f"warmup: {report.stored} chunks stored, {report.skipped} already stored, "
+        f"{report.failed} failed, {_human(report.bytes_written)} written in "
+        f"{report.seconds:.1f} s ({report.chunks_per_s:.2f} chunks/s) "
+        f"on {args.ray_actors} Ray actors"
+    )
+    for err in report.errors[:5]:
+        print(f"warmup: error: {err}", file=sys.stderr)
+    return 1 if report.failed else 0

@@ -51,6 +51,16 @@ def mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs)) if xs else float("nan")
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, linear between order statistics (NaN if empty)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+
 def run_benchmark(
     engine: BlendEngine,
     cases: Sequence[Case],

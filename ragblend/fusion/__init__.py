@@ -2,13 +2,8 @@
 
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
 from ragblend.fusion.fusor import FusionResult, Segment, fuse
-from ragblend.fusion.selectors import (
-    SELECTORS,
-    CheckLayer,
-    TokenSelector,
-    make_selector,
-    register_selector,
-)
+from ragblend.fusion.selection import make_selector
+from ragblend.fusion.selectors import SELECTORS, CheckLayer, TokenSelector, register_selector
 from ragblend.fusion.trace import FusionTrace, PreRopeCapture, SelectionTrace
 
 __all__ = [

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.selectors import CheckLayer, TokenSelector
+from ragblend.fusion.selectors import SELECTORS, CheckLayer, TokenSelector
 
 if TYPE_CHECKING:
     from ragblend.config import BlendConfig
@@ -211,3 +212,18 @@ class SelectionPolicy:
         rest = scores.float().masked_fill(starts, float("-inf"))
         others = top_rows(rest, min(budget - int(starts.sum()), int((~starts).sum())))
         return torch.cat([starts.nonzero().squeeze(1), others])
+
+
+def make_selector(config: BlendConfig) -> TokenSelector:
+    """The selector ``config.selector`` names, built from ``config``.
+
+    With a selection option on (chunk starts, adaptive ratio, cached-row temperature) it comes
+    wrapped in a :class:`SelectionPolicy` that applies them.
+    """
+    try:
+        factory = SELECTORS[config.selector]
+    except KeyError:
+        raise RagblendError(
+            f"unknown selector {config.selector!r}; available: {', '.join(SELECTORS)}"
+        ) from None
+    return SelectionPolicy.wrap(factory(config), config)

@@ -276,20 +276,3 @@ SELECTORS: dict[str, SelectorFactory] = {
 def register_selector(name: str, factory: SelectorFactory) -> None:
     """Make ``BlendConfig(selector=name)`` build its selector with ``factory(config)``."""
     SELECTORS[name] = factory
-
-
-def make_selector(config: BlendConfig) -> TokenSelector:
-    """The selector ``config.selector`` names, built from ``config``.
-
-    With a selection option on (chunk starts, adaptive ratio, cached-row temperature) it comes
-    wrapped in a :class:`~ragblend.fusion.selection.SelectionPolicy` that applies them.
-    """
-    try:
-        factory = SELECTORS[config.selector]
-    except KeyError:
-        raise RagblendError(
-            f"unknown selector {config.selector!r}; available: {', '.join(SELECTORS)}"
-        ) from None
-    from ragblend.fusion.selection import SelectionPolicy
-
-    return SelectionPolicy.wrap(factory(config), config)

@@ -1,0 +1,98 @@
+"""Real model architectures with random weights: time without downloading any weights.
+
+``SHAPES`` holds the configs of Mistral-7B-v0.2 and Llama-3-8B (and a tiny Mistral-shaped model
+for CPU smoke tests); :func:`build_model` creates one with random weights directly on a device,
+and :class:`IdTokenizer` lets the engine run on token ids alone (``random_ids``), so neither a
+tokenizer nor a dataset is needed. Answers from random weights mean nothing; compute per mode
+does not depend on the weights (the recompute budget is fixed by the ratio).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "mistral-7b": dict(  # Mistral-7B-v0.2 (no sliding window, rope theta 1e6)
+        family="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        rope_theta=1e6,
+        sliding_window=None,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    ),
+    "llama3-8b": dict(  # Llama-3-8B
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(  # Mistral-shaped smoke-test model (runs on a CPU in seconds)
+        family="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        rope_theta=1e6,
+        sliding_window=None,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer: the engine is driven with token ids only."""
+
+    bos_token_id = None
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """A random-weight HF causal LM of ``shape`` (a key of ``SHAPES``), created on ``device``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    cls = {"mistral": MistralConfig, "llama": LlamaConfig}[family]
+    config = cls(**spec)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if next(model.parameters()).device != device:  # older transformers ignore the context
+        model.to(device)
+    return model.eval()
+
+
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """``n`` random token ids, clear of the low special ids and Llama-3's special tokens."""
+    hi = min(vocab, 128000)  # stay below Llama-3's special tokens
+    lo = min(100, hi // 4)
+    return [rng.randrange(lo, hi) for _ in range(n)]

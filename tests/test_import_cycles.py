@@ -1,0 +1,84 @@
+"""The import-cycle check that `make lint` runs (tools/import_cycles.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tools" / "import_cycles.py"
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location("import_cycles", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkg"
+
+
+def test_finds_a_cycle_through_function_level_and_relative_imports(tmp_path):
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from pkg.sub import b\n",
+            "sub/__init__.py": "",
+            "sub/b.py": "def f():\n    from ..c import g\n    return g\n",
+            "c.py": "import pkg.a\ndef g():\n    return 1\n",
+            "d.py": "from pkg.a import x\n",
+        },
+    )
+    assert _checker().find_cycles(pkg) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_imports_under_type_checking_are_not_cycles(tmp_path):
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from pkg import b\n",
+            "b.py": (
+                "from typing import TYPE_CHECKING\n"
+                "import typing\n"
+                "if TYPE_CHECKING:\n    from pkg.a import A\n"
+                "if typing.TYPE_CHECKING:\n    import pkg.a\n"
+            ),
+        },
+    )
+    assert _checker().find_cycles(pkg) == []
+
+
+def test_the_else_branch_of_type_checking_runs(tmp_path):
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "import pkg.b\n",
+            "b.py": "TYPE_CHECKING = False\nif TYPE_CHECKING:\n    pass\nelse:\n    import pkg.a\n",
+        },
+    )
+    assert _checker().find_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_command_fails_on_a_cycle_and_passes_on_ragblend(tmp_path):
+    pkg = _package(
+        tmp_path, {"__init__.py": "", "a.py": "import pkg.b\n", "b.py": "import pkg.a\n"}
+    )
+    bad = subprocess.run([sys.executable, str(SCRIPT), str(pkg)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "import cycle: pkg.a -> pkg.b -> pkg.a" in bad.stdout
+    good = subprocess.run(
+        [sys.executable, str(SCRIPT), str(REPO / "ragblend")], capture_output=True, text=True
+    )
+    assert good.returncode == 0, good.stdout
