@@ -158,3 +158,40 @@ def test_below_the_avx2_level_fp32_blend_takes_sdpa_blocks(monkeypatch):
     assert native.native_kernels("auto", F32, CPU, 64) is None
     with pytest.raises(RagblendError, match="need CPU level avx2; this CPU is at level baseline"):
         native.native_kernels("native", F32, CPU, 64)
+
+
+@pytest.mark.parametrize("width", [3, 8, 100, 576, 2048, 5120])
+def test_native_rms_norm_equals_hf_bit_for_bit(width):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm_kernel = _kernels().rms_norm
+    assert norm_kernel is not None
+    norm = LlamaRMSNorm(width, eps=1e-5)
+    torch.manual_seed(width)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width) * 0.3 + 1)
+    for scale in (1e-3, 1.0, 50.0):  # 1e-3: the variance is of the order of eps
+        x = torch.randn(2, 300, width) * scale
+        assert torch.equal(norm_kernel(x, norm.weight, norm.variance_epsilon), norm(x))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        norm_kernel(x, norm.weight[1:], 1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_with_the_native_rope_and_norm_equals_hf_bit_for_bit(family, tokenizer):
+    model = tiny_model(family, dtype=F32, hidden_size=128, head_dim=32)
+    layers = engine_for(model, tokenizer).layers
+    assert layers.llama_rms_norms
+    kernels = _kernels()
+    torch.manual_seed(0)
+    rows = torch.tensor(sorted(torch.randperm(400)[:90].tolist()))
+    hidden = torch.randn(1, 90, 128)
+    cos, sin = layers.rope(rows, hidden)
+    want = layers.project(1, hidden, cos, sin)
+    got = layers.project(1, hidden, cos, sin, kernels.rope_, kernels.rms_norm)
+    for name in ("q", "k", "k_pre", "v"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    attn = torch.randn(1, 90, 128)
+    assert torch.equal(
+        layers.finish(1, hidden, attn, kernels.rms_norm), layers.finish(1, hidden, attn)
+    )

@@ -10,9 +10,10 @@ its own position, the query heads of one KV head stacked into one tile. Beside i
 ``csrc/rms_norm.cpp`` is HF's Llama RMSNorm in one pass (torch takes six); both give HF's
 values bit for bit. That build is for bf16 on CPUs at the ``amx`` level (:mod:`ragblend.cpu`).
 A second build, for fp32 on any CPU at the ``avx2`` level or above, has the same selected-row
-attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``) and the same one-pass
-RoPE (``csrc/rope_f32.cpp``, HF's fp32 values bit for bit). Elsewhere (fp16, CUDA, a sliding
-window, a CPU below the build's level) the SDPA blocks and HF's modules run.
+attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``), the same one-pass RoPE
+and RMSNorm (``csrc/rope_f32.cpp``, ``csrc/rms_norm_f32.cpp``), HF's fp32 values bit for bit
+(both norms sum in torch's order, ``csrc/torch_sum_order.h``). Elsewhere (fp16, CUDA, a
+sliding window, a CPU below the build's level) the SDPA blocks and HF's modules run.
 
 ``row_attention="auto"`` (the default) uses the kernels where they apply and warns once when a
 CPU that could run them cannot build them (no C++ compiler); ``"native"`` raises instead;
@@ -80,7 +81,7 @@ BUILDS = {
     ),
     torch.float32: Build(
         "ragblend_native_f32",
-        ("rows_attention_f32.cpp", "rope_f32.cpp"),
+        ("rows_attention_f32.cpp", "rope_f32.cpp", "rms_norm_f32.cpp"),
         "avx2",
         # at::vec's 8-lane AVX2 code; no FMA contraction: the RoPE's products round as HF's
         (
@@ -172,10 +173,12 @@ def _compiled(dtype: torch.dtype) -> NativeKernels:
     ops = getattr(torch.ops, build.name)
     if dtype == torch.float32:
         _check_f32(ops.attend_rows, ops.rope_)
-        return NativeKernels(ops.attend_rows, ops.rope_, None, dtype)
+        return NativeKernels(
+            ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm, dtype), dtype
+        )
     if not ops.supported():
         raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
-    return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm), dtype)
+    return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm, dtype), dtype)
 
 
 def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
@@ -202,7 +205,9 @@ def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
         raise RagblendError("the native fp32 row attention does not match SDPA's")
 
 
-def _rms_norm_if_exact(kernel: NormKernel) -> NormKernel | None:
+def _rms_norm_if_exact(
+    kernel: NormKernel, dtype: torch.dtype = torch.bfloat16
+) -> NormKernel | None:
     """``kernel`` if it equals HF's ``LlamaRMSNorm`` bit for bit on random rows of a few
     widths, else None with a warning. The kernel sums the squares in the order of torch's CPU
     sum kernel, which a torch other than the one ragblend pins could change."""
@@ -210,10 +215,10 @@ def _rms_norm_if_exact(kernel: NormKernel) -> NormKernel | None:
 
     gen = torch.Generator().manual_seed(0)
     for width in (576, 1000, 4096):
-        norm = LlamaRMSNorm(width, eps=1e-6).bfloat16()
+        norm = LlamaRMSNorm(width, eps=1e-6).to(dtype)
         with torch.no_grad():
             norm.weight.copy_(torch.randn(width, generator=gen) * 0.3 + 1)
-            x = (torch.randn(33, width, generator=gen) * 20).bfloat16()
+            x = (torch.randn(33, width, generator=gen) * 20).to(dtype)
             exact = torch.equal(kernel(x, norm.weight, norm.variance_epsilon), norm(x))
         if not exact:
             log.warning(

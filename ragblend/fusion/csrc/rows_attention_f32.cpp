@@ -31,6 +31,8 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
+// Measured on 2 AVX2 cores (SmolLM2's shape, 10-22 % of 3.2k rows): tiles of 16-128 rows and
+// key blocks of 128-1024 keys are within 10 % of each other; sgemm runs near peak here.
 constexpr int64_t kTileRows = 32;   // query rows per tile (times the heads per KV head)
 constexpr int64_t kKeyBlock = 256;  // keys per online-softmax step
 
