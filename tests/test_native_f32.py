@@ -148,6 +148,7 @@ def test_kernels_that_fail_the_load_check_are_not_used(monkeypatch, caplog):
         raise RagblendError("the native fp32 RoPE does not match HF's bit for bit")
 
     monkeypatch.setattr(native, "build_kernels", failing_build)
+    monkeypatch.setattr(native, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="ragblend.fusion.native"):
         assert native.native_kernels("auto", F32, CPU, 64) is None
     assert "does not match" in caplog.text and "SDPA blocks instead" in caplog.text

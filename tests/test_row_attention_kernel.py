@@ -148,12 +148,30 @@ def test_a_capable_cpu_that_cannot_build_the_kernel_warns_and_uses_sdpa(monkeypa
 
     monkeypatch.setattr(native, "cpu_runs_kernel", lambda *_: True)
     monkeypatch.setattr(native, "build_kernels", no_compiler)
+    monkeypatch.setattr(native, "_WARNED", set())
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="ragblend.fusion.native"):
         assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None
-    assert "no c++" in caplog.text and "SDPA blocks" in caplog.text
+        assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None  # a 2nd engine
+    assert caplog.text.count("no c++") == 1 and "SDPA blocks" in caplog.text
     with pytest.raises(RagblendError, match="no c\\+\\+"):
         native.native_kernels("native", torch.bfloat16, cpu, 64)
+
+
+def test_a_failed_build_is_tried_once_per_process(monkeypatch):
+    calls = []
+
+    def failing_compile(dtype):
+        calls.append(dtype)
+        raise RagblendError("could not build ragblend's native kernels: no c++")
+
+    monkeypatch.setattr(native, "cpu_runs_kernel", lambda *_: True)
+    monkeypatch.setattr(native, "_compiled", failing_compile)
+    monkeypatch.setattr(native, "_FAILED", {})
+    for _ in range(3):
+        with pytest.raises(RagblendError, match="no c\\+\\+"):
+            native.build_kernels(torch.float32)
+    assert calls == [torch.float32]
 
 
 @needs_amx

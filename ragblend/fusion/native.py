@@ -145,7 +145,18 @@ def build_kernels(dtype: torch.dtype = torch.bfloat16) -> NativeKernels:
             f"ragblend's native {dtype} kernels need CPU level {build.level}; this CPU is at "
             f"level {cpu.cpu_isa()} ({cpu.cpu_model()})"
         )
-    return _compiled(dtype)
+    failed = _FAILED.get(dtype)
+    if failed is not None:  # a build fails the same way every time: tried once per process
+        raise failed
+    try:
+        return _compiled(dtype)
+    except RagblendError as exc:
+        _FAILED[dtype] = exc
+        raise
+
+
+_FAILED: dict[torch.dtype, RagblendError] = {}
+_WARNED: set[str] = set()
 
 
 @functools.cache
@@ -254,5 +265,7 @@ def native_kernels(
     except RagblendError as exc:
         if choice == "native":
             raise
-        log.warning("%s; selected rows attend through SDPA blocks instead", exc)
+        if str(exc) not in _WARNED:  # once per reason and process, not once per engine
+            _WARNED.add(str(exc))
+            log.warning("%s; selected rows attend through SDPA blocks instead", exc)
         return None
