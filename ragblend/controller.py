@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragblend.private import private_dir
+
 if TYPE_CHECKING:
     from ragblend.models.adapters import LayerwiseModel
 
@@ -276,8 +278,7 @@ def measure_disk_bandwidth(
 
     On CUDA the result is capped by the host → device bandwidth (the pipeline's next stage).
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = private_dir(directory)
     buf = torch.ones(nbytes, dtype=torch.uint8)
     fd, name = tempfile.mkstemp(dir=directory, prefix=".bandwidth-", suffix=".tmp")
     try:
@@ -317,7 +318,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _write_json(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
