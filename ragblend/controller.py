@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragblend.private import private_dir
+from ragblend.private import private_dir, private_temp_file
 
 if TYPE_CHECKING:
     from ragblend.models.adapters import LayerwiseModel
@@ -280,7 +279,7 @@ def measure_disk_bandwidth(
     """
     directory = private_dir(directory)
     buf = torch.ones(nbytes, dtype=torch.uint8)
-    fd, name = tempfile.mkstemp(dir=directory, prefix=".bandwidth-", suffix=".tmp")
+    fd, name = private_temp_file(directory, ".bandwidth-", ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(buf.numpy().data)
@@ -319,7 +318,7 @@ def _sync(device: torch.device) -> None:
 
 def _write_json(path: Path, text: str) -> None:
     private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
+    fd, tmp = private_temp_file(path.parent, ".profile-", ".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)

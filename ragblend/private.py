@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 import stat
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,25 @@ def open_private(path: str | os.PathLike) -> int:
 def create_private(path: str | os.PathLike, text: bool = False) -> IO:
     """A new owner-only file opened for writing (``"xb"`` or, with ``text``, ``"x"``)."""
     return os.fdopen(open_private(path), "w" if text else "wb")
+
+
+def private_temp_file(directory: str | os.PathLike, prefix: str, suffix: str) -> tuple[int, str]:
+    """``tempfile.mkstemp`` in ``directory`` with the file exactly 0600: ``(fd, name)``."""
+    fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp asks for 0600, which the umask may cut further
+    except BaseException:
+        os.close(fd)
+        os.unlink(name)
+        raise
+    return fd, name
+
+
+def private_temp_dir(directory: str | os.PathLike, prefix: str) -> Path:
+    """``tempfile.mkdtemp`` in ``directory`` with the directory exactly 0700."""
+    path = tempfile.mkdtemp(dir=directory, prefix=prefix)
+    os.chmod(path, DIR_MODE)
+    return Path(path)
 
 
 def touch_private(path: str | os.PathLike) -> None:

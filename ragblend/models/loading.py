@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
 from ragblend.models.dtype import resolve_dtype
 from ragblend.paths import models_dir
-from ragblend.private import make_private, private_dir
+from ragblend.private import make_private, private_dir, private_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ def embedded_model_dir() -> Path:
         del model.config.quantization_config
     model.config._name_or_path = EMBEDDED_NAME
     private_dir(target.parent)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    staging = private_temp_dir(target.parent, ".convert-")
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
