@@ -53,6 +53,8 @@ def url_secrets(url: object) -> list[str]:
     if userinfo:
         user, _, password = userinfo.partition(":")
         found.update((user, password, userinfo))
+        # pieces a URL parser may cut an unencoded password into (and quote in its errors)
+        found.update(re.split(r"[:/?#\[\]@]", userinfo))
     query = rest.partition("?")[2].partition("#")[0]
     for name, value in parse_qsl(query, keep_blank_values=False):
         if name.lower() in _SECRET_NAMES:
