@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CHUNKS, QUESTION, tiny_model
 from redis_server import RedisServer
 
@@ -17,6 +18,7 @@ from ragblend import BlendConfig, BlendEngine
 from ragblend.cli import main
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.redact import redact_url, scrub
+from ragblend.store import ChunkKV, pack, redis_command
 from ragblend.store.redis import PASSWORD_ENV, RedisStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,3 +204,28 @@ def test_bench_cli_against_a_password_protected_redis_never_prints_the_password(
     acl_server.stop()
     _, err = bench(tmp_path / "down")
     assert f"Redis KV tier at redis://***:***@127.0.0.1:{acl_server.port}/0 is unreachable" in err
+
+
+def test_the_acl_user_docs_security_md_describes_is_enough_and_sees_no_other_keys(acl_server):
+    import redis
+
+    admin = redis.Redis.from_url(acl_server.url)
+    rules = "~ragblend:kv:* resetchannels -@all +@read +@write +@keyspace +@transaction"
+    admin.execute_command(
+        "ACL", "SETUSER", "svc", "on", ">svc-password", *rules.split(), "+@connection", "+info",
+        "+memory",
+    )  # fmt: skip
+    admin.set("other:app", "private")
+    url = f"redis://svc:svc-password@127.0.0.1:{acl_server.port}/0"
+    store = RedisStore(url, namespace="tenant-a")
+    kv = pack(ChunkKV(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4), {"tokens": 3}), "float32")
+    store.put("a" * 64, kv)
+    store.flush()
+    assert store.write_errors == 0
+    assert torch.equal(store.get("a" * 64).layer(1)[0], kv.k[1])
+    assert list(store.keys()) == ["a" * 64]
+    assert redis_command.stats(store)["entries"] == 1
+    assert redis_command.verify(store)["ok"] == 1
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis.from_url(url).get("other:app")
+    store.close()
