@@ -161,17 +161,18 @@ class RedisStore:
         try:
             result = fn(self._client)
         except self._errors as exc:
+            reason = self._scrub(exc)
             with self._state:
                 self._down_until = time.monotonic() + self.retry_s
                 first = not self._down_logged
                 self._down_logged = True
-                self.last_error = self._scrub(exc)
+                self.last_error = reason
             if first:
                 log.warning(
                     "Redis KV tier at %s is unreachable (%s): chunk KV lookups are misses "
                     "(recomputed) until it is back",
                     self.url,
-                    self.last_error,
+                    reason,
                 )
             raise Unreachable from None
         if self._down_logged:
