@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from ragblend.private import private_dir, private_temp_file
 
 if TYPE_CHECKING:
     from ragblend.models.adapters import LayerwiseModel
@@ -276,10 +277,9 @@ def measure_disk_bandwidth(
 
     On CUDA the result is capped by the host → device bandwidth (the pipeline's next stage).
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = private_dir(directory)
     buf = torch.ones(nbytes, dtype=torch.uint8)
-    fd, name = tempfile.mkstemp(dir=directory, prefix=".bandwidth-", suffix=".tmp")
+    fd, name = private_temp_file(directory, ".bandwidth-", ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(buf.numpy().data)
@@ -317,8 +317,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _write_json(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
+    private_dir(path.parent)
+    fd, tmp = private_temp_file(path.parent, ".profile-", ".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)

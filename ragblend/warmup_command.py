@@ -140,7 +140,7 @@ def _open_store(args: argparse.Namespace):
 
         store = RedisStore(args.redis_url, namespace=args.namespace, block_when_full=True)
         if not store.ping():
-            raise RagblendError(f"cannot reach Redis at {args.redis_url}: {store.last_error}")
+            raise RagblendError(f"cannot reach Redis at {store.url}: {store.last_error}")
         return store
     from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskStore
 

@@ -47,7 +47,7 @@ class ChunkWarmer:
         torch.set_num_threads(max(1, threads))
         self.store = RedisStore(redis_url, namespace=namespace, block_when_full=True)
         if not self.store.ping():
-            raise RagblendError(f"cannot reach Redis at {redis_url}: {self.store.last_error}")
+            raise RagblendError(f"cannot reach Redis at {self.store.url}: {self.store.last_error}")
         self.engine = BlendEngine.from_pretrained(
             model, config=BlendConfig(**config), store=self.store
         )

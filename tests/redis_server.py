@@ -35,7 +35,11 @@ def server_binary() -> str:
 
 
 class RedisServer:
-    """One redis-server process; ``stop()``/``start()`` kill and restart it on the same port."""
+    """One redis-server process; ``stop()``/``start()`` kill and restart it on the same port.
+
+    ``password`` alone sets ``requirepass`` (the default user's password); with ``username``
+    too it adds that ACL user (all keys and commands) and turns the default user off.
+    """
 
     def __init__(
         self,
@@ -43,16 +47,32 @@ class RedisServer:
         port: int | None = None,
         maxmemory: str | None = None,
         extra: list[str] | None = None,
+        password: str | None = None,
+        username: str | None = None,
     ):
         self.dir = Path(directory)
         self.extra = list(extra or [])
         self.port = port or free_port()
         self.maxmemory = maxmemory
+        self.password = password
+        self.username = username
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The server's URL, credentials included."""
+        auth = ""
+        if self.password:
+            auth = f"{self.username or ''}:{self.password}@"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _auth_args(self) -> list[str]:
+        if self.password and self.username:
+            acl = [self.username, "on", f">{self.password}", "~*", "&*", "+@all"]
+            return ["--user", *acl, "--user", "default", "off"]
+        if self.password:
+            return ["--requirepass", self.password]
+        return []
 
     def start(self) -> RedisServer:
         cmd = [
@@ -72,7 +92,7 @@ class RedisServer:
             "--loglevel",
             "warning",
         ]
-        cmd += self.extra
+        cmd += self._auth_args() + self.extra
         if self.maxmemory:
             cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -84,7 +104,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 time.sleep(0.05)

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
 from ragblend.models.dtype import resolve_dtype
 from ragblend.paths import models_dir
+from ragblend.private import make_private, private_dir, private_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,12 @@ def embedded_model_dir() -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config._name_or_path = EMBEDDED_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    private_dir(target.parent)
+    staging = private_temp_dir(target.parent, ".convert-")
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        make_private(staging)  # written with the umask's modes; still unreachable in staging
         if target.exists():  # another process won the race
             shutil.rmtree(staging)
         else:

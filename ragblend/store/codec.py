@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ragblend.private import create_private
 from ragblend.store.base import KVEntry
 from ragblend.store.quant import dtype_name
 
@@ -136,7 +137,7 @@ def write_entry(path: Path, key: str, entry: KVEntry, fsync: bool) -> int:
             h.update(bytes_view(t))
         checksums.append(h.hexdigest())
     header = _build_header(key, entry, layers, checksums, algorithm)
-    with open(path, "xb") as f:
+    with create_private(path) as f:
         f.write(header)
         for tensors in layers:
             for t in tensors.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from ragblend.errors import RagblendError
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
             report = store.verify(drop=args.drop)
             if rebuilt is not None:
                 report["rebuilt"] = rebuilt
+            report["path"] = str(store.path)
+            report["loose_permissions"] = loose_permissions(store.path)
             bad = report["corrupt"] + report["foreign"]
             report["dropped"] = bad if args.drop else 0
             code = 1 if bad and not args.drop else 0
@@ -87,6 +90,13 @@ def run(args: argparse.Namespace) -> int:
         store.close()
     _print(args.cache_command, report, args.json)
     return code
+
+
+def loose_permissions(root: Path) -> list[dict]:
+    """Entries of the store that the group or others can access (``path``, octal ``mode``)."""
+    from ragblend.private import loose_paths
+
+    return [{"path": str(path), "mode": f"{mode:o}"} for path, mode in loose_paths(root)]
 
 
 def stats(store) -> dict:
@@ -152,6 +162,17 @@ def _print(command: str, report: dict, as_json: bool) -> None:
         print(f"  {key[:16]}…  {reason}")
     if command == "verify" and report.get("dropped"):
         print(f"dropped {report['dropped']} entries")
+    loose = report.get("loose_permissions") or []
+    if loose:
+        root = shlex.quote(report["path"])
+        print(
+            f"permissions: {len(loose)} entries are accessible to other users "
+            f"(fix: chmod -R go-rwx {root})"
+        )
+        for item in loose[:20]:
+            print(f"  {item['mode']:>4}  {item['path']}")
+        if len(loose) > 20:
+            print(f"  … and {len(loose) - 20} more")
     if command == "gc":
         print(
             f"removed {report['orphans']} orphan files, {report['stale_tmp']} stale temp files; "

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ragblend.errors import CorruptEntryError
+from ragblend.private import private_dir
 from ragblend.store import codec, files
 from ragblend.store.base import KVEntry, StoreStats
 from ragblend.store.codec import EntryHeader, EntryInvalid, checksum_algorithm
@@ -67,8 +68,9 @@ class DiskStore:
         self.fsync = fsync
         self.data_dir = self.path / "data"
         self.tmp_dir = self.path / "tmp"
+        private_dir(self.path)  # warns once if others can read an existing store
         for d in (self.data_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            private_dir(d, check=False)
         self.stats = StoreStats()
         self.write_errors = 0
         self.last_write_error: str | None = None
@@ -190,7 +192,7 @@ class DiskStore:
         tmp = self.tmp_dir / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             size = self._write(tmp, key, kv)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(final.parent, check=False)
             os.replace(tmp, final)
             if self.fsync:
                 files.fsync_dir(final.parent)

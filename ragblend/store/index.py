@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from ragblend.private import private_dir, touch_private
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -61,7 +63,7 @@ class DiskIndex:
         self, directory: Path, rebuild: Callable[[], Iterable[IndexEntry]] | None = None
     ) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory, check=False)
         self.path = self.directory / "index.db"
         self._rebuild = rebuild
         self._lock = threading.RLock()
@@ -71,6 +73,7 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ connection
     def _connect(self) -> sqlite3.Connection:
+        touch_private(self.path)  # SQLite gives its -wal and -shm files the database's mode
         con = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         try:
             con.execute("PRAGMA journal_mode=WAL")
@@ -125,7 +128,7 @@ class DiskIndex:
                 pass
             self._con = None
         aside = self.directory.parent / f"{self.directory.name}.corrupt-{time.time_ns()}"
-        aside.mkdir(parents=True, exist_ok=True)
+        private_dir(aside, check=False)
         for suffix in ("", "-wal", "-shm", "-journal"):
             src = self.path.with_name(self.path.name + suffix)
             try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -31,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from safetensors.torch import load as st_load
 
 from ragblend.errors import CorruptEntryError, RagblendError
+from ragblend.redact import redact_url, scrub
 from ragblend.store.base import KVEntry, StoreStats
 from ragblend.store.redis_entry import (
     CHECKSUM,
@@ -46,6 +48,7 @@ from ragblend.threads import copy_only_thread
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "ragblend:kv"
+PASSWORD_ENV = "RAGBLEND_REDIS_PASSWORD"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _STOP = object()
 
@@ -66,9 +69,13 @@ class Unreachable(Exception):
 class RedisStore:
     """KV tier in a Redis/Valkey server shared by many processes (see the module docstring).
 
-    ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path.sock``.
+    ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
+    ``unix:///path.sock``. ``password``: used when the URL carries none (default:
+    ``$RAGBLEND_REDIS_PASSWORD``), so a secret need not be on a command line.
     ``namespace`` partitions the key space per tenant (``BlendConfig.namespace`` already salts
     every key; this also lets ``ragblend cache`` count and drop one tenant's entries).
+    The ``url`` attribute, logs, errors and the repr show the URL with its user name and
+    password masked (``ragblend.redact``).
     """
 
     tier = "redis"
@@ -88,14 +95,19 @@ class RedisStore:
         layers_per_fetch: int = 4,
         ttl_s: int | None = None,
         socket_read_size: int = 1 << 20,
+        password: str | None = None,
     ) -> None:
         redis = _redis()
+        shown = redact_url(url)
         if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise RagblendError(f"Redis URL {url!r} must start with redis://, rediss:// or unix://")
+            raise RagblendError(
+                f"Redis URL {shown!r} must start with redis://, rediss:// or unix://"
+            )
         for what, name in (("namespace", namespace), ("prefix", prefix.replace(":", "_"))):
             if name is not None and not _NAME.match(name):
                 raise RagblendError(f"{what} {name!r}: use letters, digits, '_', '.', '-'")
-        self.url = url
+        self._url = url
+        self.url = shown
         self.namespace = namespace
         self.prefix = prefix
         self.retry_s = float(retry_s)
@@ -110,16 +122,22 @@ class RedisStore:
         self.last_error: str | None = None
         self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
         self._redis_error = redis.exceptions.RedisError
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout,
-            max_connections=max_connections,
-            retry_on_timeout=False,
-            # A layer of a query's chunks is megabytes: with 64 KiB reads (redis-py's default) a
-            # pipelined read of 6 × 393 KB took ~1.4x as long on loopback as with 1 MiB reads.
-            socket_read_size=socket_read_size,
-        )
+        if password is None:
+            password = os.environ.get(PASSWORD_ENV) or None
+        try:
+            self._client = redis.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+                max_connections=max_connections,
+                retry_on_timeout=False,
+                # A layer of a query's chunks is megabytes: with 64 KiB reads (redis-py's
+                # default) a pipelined read of 6 × 393 KB took ~1.4x as long on loopback.
+                socket_read_size=socket_read_size,
+                **({"password": password} if password else {}),  # the URL's wins
+            )
+        except (ValueError, TypeError) as exc:
+            raise RagblendError(f"invalid Redis URL {shown!r}: {self._scrub(exc)}") from None
         self._down_until = 0.0
         self._down_logged = False
         self._warned: set[str] = set()
@@ -129,6 +147,10 @@ class RedisStore:
         self._writer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ connection
+    def _scrub(self, error: object) -> str:
+        """``error``'s text with this store's credentials masked (for logs and messages)."""
+        return scrub(error, self._url)
+
     def redis_key(self, key: str) -> str:
         return f"{self.prefix}:{self.namespace}:{key}" if self.namespace else f"{self.prefix}:{key}"
 
@@ -139,17 +161,18 @@ class RedisStore:
         try:
             result = fn(self._client)
         except self._errors as exc:
+            reason = self._scrub(exc)
             with self._state:
                 self._down_until = time.monotonic() + self.retry_s
                 first = not self._down_logged
                 self._down_logged = True
-                self.last_error = str(exc)
+                self.last_error = reason
             if first:
                 log.warning(
                     "Redis KV tier at %s is unreachable (%s): chunk KV lookups are misses "
                     "(recomputed) until it is back",
                     self.url,
-                    exc,
+                    reason,
                 )
             raise Unreachable from None
         if self._down_logged:
@@ -240,15 +263,18 @@ class RedisStore:
         except Unreachable:
             raise CorruptEntryError(wants[0][0].key, "the Redis server is unreachable") from None
         except self._redis_error as exc:
-            raise CorruptEntryError(wants[0][0].key, f"layer read failed: {exc}") from None
+            raise CorruptEntryError(
+                wants[0][0].key, f"layer read failed: {self._scrub(exc)}"
+            ) from None
         with self._state:
             self.layer_round_trips += 1
         first: CorruptEntryError | None = None
         for (entry, wanted), reply in zip(wants, replies, strict=True):
             try:
                 if isinstance(reply, Exception):  # e.g. WRONGTYPE: something else at our key
-                    self.drop(entry.key, f"unreadable: {reply}")
-                    raise CorruptEntryError(entry.key, f"unreadable: {reply}")
+                    reason = f"unreadable: {self._scrub(reply)}"
+                    self.drop(entry.key, reason)
+                    raise CorruptEntryError(entry.key, reason)
                 entry._accept(wanted, reply)
             except CorruptEntryError as exc:
                 first = first or exc
@@ -294,7 +320,7 @@ class RedisStore:
         try:
             fields = encode_entry(key, kv)
         except Exception as exc:  # an entry that cannot be encoded is a bug: say so, keep going
-            log.warning("cannot encode KV entry %s… for Redis: %s", key[:16], exc)
+            log.warning("cannot encode KV entry %s… for Redis: %s", key[:16], self._scrub(exc))
             self.write_errors += 1
             return
         name = self.redis_key(key)
@@ -314,9 +340,10 @@ class RedisStore:
             return
         except self._redis_error as exc:  # e.g. OOM with a noeviction policy
             self.write_errors += 1
-            if self.last_error != str(exc):
-                log.warning("Redis KV tier refused a write: %s", exc)
-            self.last_error = str(exc)
+            reason = self._scrub(exc)
+            if self.last_error != reason:
+                log.warning("Redis KV tier at %s refused a write: %s", self.url, reason)
+            self.last_error = reason
             return
         self.bytes_written += sum(len(v) for v in fields.values())
         self.stats.count("puts")
@@ -393,9 +420,9 @@ class RedisStore:
                     return f"layer {i} fails its checksum"
                 st_load(blob)
         except (Unreachable, self._redis_error) as exc:
-            return f"unreadable: {exc or 'server unreachable'}"
+            return f"unreadable: {self._scrub(exc) or 'server unreachable'}"
         except Exception as exc:  # bad JSON, bad safetensors
-            return f"unreadable: {exc}"
+            return f"unreadable: {self._scrub(exc)}"
         return None
 
     def __repr__(self) -> str:

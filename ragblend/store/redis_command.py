@@ -15,7 +15,7 @@ def stats(store: RedisStore) -> dict:
     keys = list(store.keys())
     nbytes = sum(int(store._client.memory_usage(store.redis_key(k)) or 0) for k in keys)
     return {
-        "url": store.url,
+        "url": store.url,  # credentials masked
         "namespace": store.namespace,
         "format_version": FORMAT_VERSION,
         "entries": len(keys),
@@ -47,7 +47,7 @@ def run_redis(args: argparse.Namespace) -> int:
     store = RedisStore(args.redis_url, namespace=args.namespace)
     try:
         if not store.ping():
-            raise RagblendError(f"cannot reach Redis at {args.redis_url}: {store.last_error}")
+            raise RagblendError(f"cannot reach Redis at {store.url}: {store.last_error}")
         if args.cache_command == "stats":
             report, code = stats(store), 0
         elif args.cache_command == "verify":
