@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -78,7 +78,9 @@ class BlendEngine:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
-        self.native = self._native_kernels(self.config)
+        self._native: NativeKernels | None | object = _UNRESOLVED
+        if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
+            self._native = self._native_kernels(self.config)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
         self.on_miss: Callable[[list[str]], None] | None = None
@@ -125,7 +127,9 @@ class BlendEngine:
         else:
             view.selector = make_selector(view.config)
         if view.config.row_attention != self.config.row_attention:
-            view.native = view._native_kernels(view.config)
+            view._native = _UNRESOLVED
+            if view.config.row_attention == "native":
+                view._native = view._native_kernels(view.config)
         view.chunks = ChunkCache(
             self.layers,
             self.tokenizer,
@@ -140,6 +144,19 @@ class BlendEngine:
     def _native_kernels(self, config: BlendConfig) -> NativeKernels | None:
         layers = self.layers
         return native_kernels(config.row_attention, layers.dtype, layers.device, layers.head_dim)
+
+    @property
+    def native(self) -> NativeKernels | None:
+        """The native CPU kernels blend runs on (:mod:`ragblend.fusion.native`), or None for
+        SDPA blocks. Built on first use, so engines that only precompute (warmup jobs, Ray
+        actors) never compile or load them."""
+        if self._native is _UNRESOLVED:
+            self._native = self._native_kernels(self.config)
+        return cast("NativeKernels | None", self._native)
+
+    @native.setter
+    def native(self, kernels: NativeKernels | None) -> None:
+        self._native = kernels
 
     @property
     def row_attention(self) -> str:
@@ -441,6 +458,9 @@ class BlendEngine:
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
         return teacher_forced_logits(self.model, prefill, answer_ids)
+
+
+_UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for
 
 
 def _fall_back(stats: BlendStats, reason: str) -> None:
