@@ -98,6 +98,12 @@ def _config(source: Path) -> Any:
     architecture = model_class.__name__ if model_class is not None else config.model_type
     check_supported(architecture)
     config.architectures = [architecture]
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(source))
+    key_length = metadata.get(f"{metadata['general.architecture']}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):  # transformers skips it for Qwen3
+        config.head_dim = int(key_length)
     if architecture == "Gemma3ForCausalLM":
         # llama.cpp scales Gemma 3's queries by 1/sqrt(head_dim) (27B: hidden/heads), which the
         # GGUF does not record; HF's config calls it query_pre_attn_scalar.
