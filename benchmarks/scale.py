@@ -132,7 +132,6 @@ def build_model(shape: str, dtype):
 
 def measure(args: argparse.Namespace) -> dict:
     """One shape, in this process."""
-    import torch
     from transformers import AutoTokenizer
 
     from ragblend import BlendConfig, BlendEngine, SamplingParams

@@ -35,7 +35,9 @@ class LayerDecoder:
         position: int | None = None,
     ):
         self.layers = layers
-        self.position = max(int(k.shape[-2]) for k, _ in prompt_kv) if position is None else position
+        self.position = (
+            max(int(k.shape[-2]) for k, _ in prompt_kv) if position is None else position
+        )
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         p = self.position

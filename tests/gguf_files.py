@@ -23,7 +23,9 @@ def _tokenizer_fields() -> dict:
 
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's row order for q/k of Llama-architecture files (its converter's permute)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_gguf(model, family: str, path: Path, half: bool = False) -> Path:
@@ -72,7 +74,9 @@ def write_gguf(model, family: str, path: Path, half: bool = False) -> Path:
         assert name is not None, hf_name
         w = tensor.detach().to(torch.float32).numpy().copy()
         if arch == "llama" and name.endswith(("attn_q", "attn_k")):
-            w = _llama_permute(w, cfg.num_attention_heads if name.endswith("q") else cfg.num_key_value_heads)
+            w = _llama_permute(
+                w, cfg.num_attention_heads if name.endswith("q") else cfg.num_key_value_heads
+            )
         if family == "gemma3" and name.endswith("norm"):
             w = w + 1  # llama.cpp stores Gemma's norms as 1 + weight
         if half and w.ndim == 2:

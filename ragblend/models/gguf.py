@@ -94,7 +94,7 @@ def _config(source: Path) -> Any:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise RagblendError(f"{source}: cannot read it as a GGUF model: {exc}") from exc
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    model_class: Any = AutoModelForCausalLM._model_mapping.get(type(config), None)
     architecture = model_class.__name__ if model_class is not None else config.model_type
     check_supported(architecture)
     config.architectures = [architecture]

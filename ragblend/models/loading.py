@@ -96,8 +96,9 @@ def embedded_model_dir() -> Path:
 
 
 def model_dir(name_or_path: str | os.PathLike) -> Path:
-    """``"embedded"``, ``"gemma"`` (Gemma 3 270M, the ``gemma`` extra), a ``.gguf`` file (converted once, see :mod:`ragblend.models.gguf`) or a
-    local HF model directory → a directory with config.json."""
+    """``"embedded"``, ``"gemma"`` (Gemma 3 270M, the ``gemma`` extra), a ``.gguf`` file
+    (converted once, see :mod:`ragblend.models.gguf`) or a local HF model directory → a
+    directory with config.json."""
     if str(name_or_path) == "embedded":
         return embedded_model_dir()
     if str(name_or_path) == "gemma":
