@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--model", default="embedded")
+    p.add_argument(
+        "--model", default="embedded", help="'embedded', 'gemma', a .gguf file or an HF model dir"
+    )
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.set_defaults(func=run)
 

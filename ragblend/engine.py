@@ -102,13 +102,15 @@ class BlendEngine:
         prompt_format: PromptFormat | None = None,
         **overrides,
     ) -> BlendEngine:
-        """Load ``"embedded"`` (SmolLM2-135M-Instruct) or a local HF model directory.
+        """Load ``"embedded"`` (SmolLM2-135M-Instruct), ``"gemma"`` (Gemma 3 270M, the ``gemma``
+        extra), a ``.gguf`` file of a supported family or a local HF model directory.
 
         ``overrides`` are BlendConfig fields, applied onto ``config`` when both are given.
         """
         config = dataclasses.replace(config, **overrides) if config else BlendConfig(**overrides)
         model, tokenizer = load_model(name_or_path, device=config.device, dtype=config.dtype)
-        name = "SmolLM2-135M-Instruct" if name_or_path == "embedded" else str(name_or_path)
+        aliases = {"embedded": "SmolLM2-135M-Instruct", "gemma": "gemma-3-270m-Q4_K_M"}
+        name = aliases.get(str(name_or_path), str(name_or_path))
         return cls(model, tokenizer, config, store, prompt_format, name=name)
 
     def with_config(

@@ -23,7 +23,8 @@ class LayerDecoder:
     """Greedy-or-sampled decoding state of one request: K/V buffers and the next position.
 
     ``keys[i]`` / ``values[i]``: [1, kv_heads, capacity, head_dim], post-RoPE keys, filled with
-    the prompt's cache up to ``position``. The prompt cache itself is never modified.
+    the prompt's cache up to ``position`` (a sliding-window layer's cache holds only the last
+    tokens before it: what the window reads). The prompt cache itself is never modified.
     """
 
     def __init__(
@@ -31,16 +32,20 @@ class LayerDecoder:
         layers: LayerwiseModel,
         prompt_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         capacity: int,
+        position: int | None = None,
     ):
         self.layers = layers
-        self.position = int(prompt_kv[0][0].shape[-2])
+        self.position = (
+            max(int(k.shape[-2]) for k, _ in prompt_kv) if position is None else position
+        )
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        p = self.position
         for k, v in prompt_kv:
             kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
             vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
-            kb[..., : self.position, :].copy_(k)
-            vb[..., : self.position, :].copy_(v)
+            kb[..., p - k.shape[-2] : p, :].copy_(k)
+            vb[..., p - v.shape[-2] : p, :].copy_(v)
             self.keys.append(kb)
             self.values.append(vb)
         self.capacity = capacity
@@ -51,19 +56,22 @@ class LayerDecoder:
     ) -> LayerDecoder | None:
         """A decoder over ``prompt_cache`` (an HF cache of ``prompt_len`` tokens) with room
         for ``total_len`` tokens, or None where it does not apply: a layer whose cache holds
-        fewer than the whole prompt (a sliding-window cache), or more tokens than the model's
-        positions."""
+        fewer than the whole prompt (or, on a sliding-window layer of window W, fewer than the
+        last W - 1 tokens, which is what HF's sliding cache keeps), or more tokens than the
+        model's positions."""
         cache_layers = getattr(prompt_cache, "layers", None)
         window = layers.context_window or total_len
         if not cache_layers or len(cache_layers) != layers.num_layers or total_len > window:
             return None
         kv = []
-        for layer in cache_layers:
+        for i, layer in enumerate(cache_layers):
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if k is None or v is None or k.shape[-2] != prompt_len or v.shape[-2] != prompt_len:
+            sliding = layers.sliding_window(i)
+            held = prompt_len if sliding is None else min(prompt_len, int(sliding) - 1)
+            if k is None or v is None or k.shape[-2] != held or v.shape[-2] != held:
                 return None
             kv.append((k, v))
-        return cls(layers, kv, total_len)
+        return cls(layers, kv, total_len, prompt_len)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -73,9 +81,14 @@ class LayerDecoder:
             raise IndexError(f"the decode buffer holds {self.capacity} tokens")
         device = self.keys[0].device
         hidden = m.embed(torch.tensor([token], device=device))
-        cos, sin = m.rope(torch.tensor([p], device=device), hidden)
+        position = torch.tensor([p], device=device)
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         groups = m.num_heads // m.num_kv_heads
         for i in range(m.num_layers):
+            group = m.rope_group(i)
+            if group not in ropes:
+                ropes[group] = m.rope(position, hidden, i)
+            cos, sin = ropes[group]
             proj = m.project(i, hidden, cos, sin)
             k, v = self.keys[i], self.values[i]
             k[..., p : p + 1, :].copy_(proj.k)

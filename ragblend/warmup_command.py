@@ -42,7 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="dataset: first N questions")
     p.add_argument("--store-path", default=None, help="disk store (default: ragblend_home()/kv)")
     p.add_argument("--store-bytes", type=int, default=None, help="disk store capacity in bytes")
-    p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
+    p.add_argument(
+        "--model",
+        default="embedded",
+        help="'embedded', 'gemma', a .gguf file or a local HF model dir",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

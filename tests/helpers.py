@@ -6,14 +6,36 @@ import torch
 
 from ragblend import BlendConfig, BlendEngine
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+# Gemma 3: two sliding-window layers, then a global one (real models: five, then one), with a
+# window shorter than the test prompts so the window masks keys; distinct RoPE bases per type.
+GEMMA3 = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    sliding_window=24,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    query_pre_attn_scalar=16,
+    final_logit_softcapping=30.0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+)
 
 
 def tiny_config(family: str, **overrides):
     """A 3-layer GQA config of the family, sharing the embedded tokenizer's vocabulary."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     cls = {
+        "gemma3": Gemma3TextConfig,
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
@@ -31,6 +53,8 @@ def tiny_config(family: str, **overrides):
     )
     if family == "qwen3":
         kwargs["head_dim"] = 16
+    if family == "gemma3":
+        kwargs.update(GEMMA3)
     kwargs.update(overrides)
     return cls(**kwargs)
 

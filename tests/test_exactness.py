@@ -11,7 +11,8 @@ from helpers import assert_matches_hf, engine_for, hf_forward, layer_kv
 
 ATOL = 1e-4
 
-# Sliding windows shorter than the prompt exercise the windowed mask (Mistral, Qwen2).
+# Sliding windows shorter than the prompt exercise the windowed mask (Mistral, Qwen2; the tiny
+# Gemma 3 always has one).
 WINDOWED = {
     "mistral": {"sliding_window": 24},
     "qwen2": {
@@ -90,13 +91,18 @@ def test_reuse_equals_stored_chunk_caches_with_only_positions_changed(family, to
         positions = torch.arange(start, start + len(chunk))
         for layer in range(lay.num_layers):
             k_pre, v = stored.layer(layer)
-            cos, sin = lay.rope(positions, k_pre.unsqueeze(0))
+            cos, sin = lay.rope(positions, k_pre.unsqueeze(0), layer)
             k_expected = lay.rotate(k_pre.unsqueeze(0), cos, sin)
             k, v_out = layer_kv(out.cache, layer)
+            # a sliding-window layer's cache holds only the prompt's last positions
+            first = len(prompt) - k.shape[2]
+            a, b = max(start, first), start + len(chunk)
+            if a >= b:
+                continue
             torch.testing.assert_close(
-                k[:, :, start : start + len(chunk)], k_expected, atol=1e-6, rtol=0
+                k[:, :, a - first : b - first], k_expected[:, :, a - start :], atol=1e-6, rtol=0
             )
-            assert torch.equal(v_out[0, :, start : start + len(chunk)], v)
+            assert torch.equal(v_out[0, :, a - first : b - first], v[:, a - start :])
         start += len(chunk)
 
 
@@ -114,7 +120,8 @@ def test_embedded_model_blend_at_ratio_one_matches_full_prefill(embedded_engine)
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# the tiny Gemma 3's window is shorter than the prompt: no static cache (its own test below)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])
 def test_decoding_into_the_static_cache_equals_hf_generate_and_leaves_the_prefill_alone(
     family, tokenizer
 ):
@@ -173,7 +180,7 @@ def test_layerwise_decoding_equals_hf_forward_decoding_token_by_token(family, to
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("family", [*sorted(WINDOWED), "gemma3"])
 def test_decoding_with_a_sliding_window_equals_hf_generate(family, tokenizer):
     from ragblend.layer_decode import LayerDecoder
 
@@ -181,8 +188,9 @@ def test_decoding_with_a_sliding_window_equals_hf_generate(family, tokenizer):
     long_prompt = engine.tokenize(QUESTION, CHUNKS[:1]).ids  # longer than the window
     for ids in (long_prompt, long_prompt[:16]):  # the short one decodes past the window
         pre = engine.full_prefill(ids)
+        # HF's sliding caches keep the window's last tokens: enough for the lean decoder
         lean = LayerDecoder.for_cache(engine.layers, pre.cache, len(ids), len(ids) + 20)
-        assert (lean is not None) == (len(ids) < 24)
+        assert lean is not None
         with torch.inference_mode():
             ref = engine.model.generate(
                 torch.tensor([ids]),

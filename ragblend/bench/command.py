@@ -55,7 +55,11 @@ def add_parser(sub) -> None:
         default=None,
         help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})",
     )
-    p.add_argument("--model", default="embedded", help="'embedded' or a local HF model dir")
+    p.add_argument(
+        "--model",
+        default="embedded",
+        help="'embedded', 'gemma', a .gguf file or a local HF model dir",
+    )
     p.add_argument("--repeats", type=int, default=3, help="TTFT repetitions per question")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", required=True, help="output directory")

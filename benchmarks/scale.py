@@ -1,0 +1,249 @@
+"""TTFT (full vs blend), decode speed and memory of real architectures from 0.5B to 7B.
+
+    python benchmarks/scale.py --shapes qwen2.5-0.5b,qwen2.5-1.5b,llama-3.2-3b,mistral-7b \\
+        [--questions N] [--dtype auto] --out DIR
+
+Each shape is a random-initialised model of that architecture's real config (written below; no
+weights are downloaded), run in a process of its own so its peak RSS is its own. Per question:
+6 MuSiQue dev chunks of ≤512 tokens (the embedded tokenizer's ids, valid in every vocabulary)
+are precomputed, then full and blend prefill are timed back to back (``--repeats`` each, the
+median kept), and decoding is timed for ``--decode-tokens`` tokens after the blend prefill (EOS
+ignored). Random weights give true compute timings, not answers. Writes ``DIR/scale.json``:
+``{"settings": {...}, "shapes": {shape: {"params", "dtype", "weights_bytes", "kv_bytes",
+"ttft_full_ms", "ttft_blend_ms", "speedup", "decode_tok_s", "peak_rss_bytes"}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+
+# The architectures' own config.json values (HF hub), as config-class keyword arguments.
+SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen2.5-0.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.2-3b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral-7b": (  # Mistral-7B-Instruct-v0.3
+        "mistral",
+        dict(
+            vocab_size=32768,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # a seconds-long smoke run of the whole script
+    "tiny": (
+        "qwen2",
+        dict(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def build_model(shape: str, dtype):
+    """A random-initialised causal LM of ``shape``, created directly in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    family, kwargs = SHAPES[shape]
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[family]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_class(**kwargs), dtype=dtype)
+    return model.eval()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One shape, in this process."""
+    from transformers import AutoTokenizer
+
+    from ragblend import BlendConfig, BlendEngine, SamplingParams
+    from ragblend.bench.datasets import load_cases
+    from ragblend.generation import decode_tokens
+    from ragblend.models.dtype import resolve_dtype
+    from ragblend.models.loading import embedded_model_dir
+
+    dtype = resolve_dtype(args.dtype)
+    model = build_model(args.worker, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    config = BlendConfig(dtype=str(dtype).removeprefix("torch."))
+    engine = BlendEngine(model, tokenizer, config, name=args.worker)
+    cases = load_cases(args.dataset, tokenizer, 6, 512, args.questions)
+    full_ms, blend_ms, ratios, rates, kv = [], [], [], [], []
+    for case in cases:
+        engine.precompute(case.chunks)
+        prompt = engine.tokenize(case.question, case.chunks)
+        kv.append(engine.layers.kv_bytes_per_token() * len(prompt))
+        engine.prefill(prompt, "blend")  # warm the code paths
+        full_runs, blend_runs = [], []
+        for _ in range(args.repeats):
+            full_runs.append(engine.prefill(prompt, "full").stats.ttft_ms)
+            blend = engine.prefill(prompt, "blend")
+            blend_runs.append(blend.stats.ttft_ms)
+        full_ms.append(statistics.median(full_runs))
+        blend_ms.append(statistics.median(blend_runs))
+        ratios.append(full_ms[-1] / blend_ms[-1])
+        engine._prepare_decode()
+        t0 = time.perf_counter()
+        tokens = decode_tokens(
+            model, blend, SamplingParams(), args.decode_tokens + 1, set(), engine.layers
+        )
+        count = sum(1 for _ in tokens) - 1  # the first token comes from the prefill
+        rates.append(count / (time.perf_counter() - t0))
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "dtype": str(dtype).removeprefix("torch."),
+        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "kv_bytes": int(statistics.median(kv)),
+        "ttft_full_ms": statistics.median(full_ms),
+        "ttft_blend_ms": statistics.median(blend_ms),
+        "speedup": statistics.median(ratios),
+        "decode_tok_s": statistics.median(rates),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "n": len(cases),
+        "recomputed_fraction": blend.stats.recomputed_fraction,
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b,llama-3.2-3b,mistral-7b")
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dataset", default=str(DATASET))
+    parser.add_argument("--out", help="output directory (scale.json)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one shape, in this process
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        Path(args.result).write_text(json.dumps(measure(args)))
+        return
+    if not args.out:
+        parser.error("--out is required")
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {
+        "settings": {
+            "dtype": args.dtype,
+            "questions": args.questions,
+            "repeats": args.repeats,
+            "decode_tokens": args.decode_tokens,
+            "top_k": 6,
+            "chunk_tokens": 512,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_model": cpu_model(),
+            "cpu_isa": os.environ.get("RAGBLEND_CPU_ISA", "native"),
+        },
+        "shapes": {},
+    }
+    for shape in shapes:
+        with tempfile.NamedTemporaryFile(suffix=".json") as result:
+            cmd = [sys.executable, __file__, "--worker", shape, "--result", result.name]
+            for flag in ("questions", "repeats", "decode_tokens", "dtype", "dataset"):
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            proc = subprocess.run(cmd)
+            if proc.returncode != 0:
+                results["shapes"][shape] = {"error": f"exit status {proc.returncode}"}
+            else:
+                results["shapes"][shape] = json.loads(Path(result.name).read_text())
+        print(shape, json.dumps(results["shapes"][shape]), flush=True)
+        (out / "scale.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
