@@ -126,7 +126,10 @@ def test_fp32_blend_runs_the_kernels_and_matches_sdpa_blocks(family, tokenizer):
     prompt = engine.tokenize(QUESTION, CHUNKS)
     got = engine.prefill(prompt, "blend")
     want = sdpa.prefill(prompt, "blend")
-    assert len(calls) == engine.layers.num_layers - 1  # every layer after the check layer
+    # every layer after the check layer runs the kernel, but those whose sliding window is
+    # shorter than the prompt (Gemma 3's local layers; Mistral's default 4096-token window
+    # masks nothing)
+    assert len(calls) == _unwindowed_layers_after(1, engine, len(prompt.ids))
     assert len(rotations) == 2 * engine.layers.num_layers + engine.layers.num_layers - 1
     assert 0 < got.stats.recomputed_fraction < 1
     assert torch.equal(got.fusion.selected, want.fusion.selected)
@@ -178,7 +181,7 @@ def test_native_rms_norm_equals_hf_bit_for_bit(width):
         norm_kernel(x, norm.weight[1:], 1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])  # Llama's norm
 def test_a_layer_with_the_native_rope_and_norm_equals_hf_bit_for_bit(family, tokenizer):
     model = tiny_model(family, dtype=F32, hidden_size=128, head_dim=32)
     layers = engine_for(model, tokenizer).layers
@@ -195,4 +198,13 @@ def test_a_layer_with_the_native_rope_and_norm_equals_hf_bit_for_bit(family, tok
     attn = torch.randn(1, 90, 128)
     assert torch.equal(
         layers.finish(1, hidden, attn, kernels.rms_norm), layers.finish(1, hidden, attn)
+    )
+
+
+def _unwindowed_layers_after(check_layer: int, engine, n: int) -> int:
+    layers = engine.layers
+    return sum(
+        1
+        for layer in range(check_layer, layers.num_layers)
+        if layers.sliding_window(layer) is None or layers.sliding_window(layer) >= n
     )
