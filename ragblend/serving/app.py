@@ -79,8 +79,9 @@ def create_app(
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return error(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
+        if first.get("type") == "json_invalid" or not loc:  # not JSON, or not an object
+            msg = f"the body must be a JSON object: {first.get('msg', '')}"
+            return error(400, msg, code="invalid_json")
         what = ".".join(loc) or "body"
         return error(400, f"{what}: {first.get('msg', 'invalid value')}", param=what or None)
 

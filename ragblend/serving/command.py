@@ -73,6 +73,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning (and return True) when ``host`` is not loopback and there is no key."""
+    if api_key or is_loopback(host):
+        return False
+    log.warning(
+        "serving on %s without an API key: anyone who can reach it can use the model and the "
+        "cached documents; set --api-key or RAGBLEND_API_KEY",
+        host,
+    )
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -86,12 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.engine import BlendEngine
 
     api_key = args.api_key or os.environ.get("RAGBLEND_API_KEY") or None
-    if not api_key and not is_loopback(args.host):
-        log.warning(
-            "serving on %s without an API key: anyone who can reach it can use the model and "
-            "read what it was given; set --api-key or RAGBLEND_API_KEY",
-            args.host,
-        )
+    warn_if_exposed(args.host, api_key)
     config = BlendConfig(device=args.device, dtype=args.dtype, namespace=args.namespace)
     store = open_store(args.store_path, args.redis_url, args.namespace)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)

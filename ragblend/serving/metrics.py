@@ -53,6 +53,11 @@ class ServerMetrics:
         self.errors = Counter(
             "ragblend_request_errors", "Requests answered with an error", ["status"], registry=r
         )
+        self.cancelled = Counter(
+            "ragblend_cancelled_requests",
+            "Requests dropped because the client went away",
+            registry=r,
+        )
         self._steps: collections.deque[tuple[float, int, float]] = collections.deque()
         self._lock = threading.Lock()
 

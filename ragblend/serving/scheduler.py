@@ -142,6 +142,7 @@ class Scheduler:
         )
         self._running: list[_Running] = []
         self._stopping = False
+        self.largest_batch = 0  # the most requests one decode step has run together
         self._thread = threading.Thread(target=self._loop, name="ragblend-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ the event loop's side
@@ -225,6 +226,8 @@ class Scheduler:
             if r.handle.cancelled.is_set():
                 r.done = True
                 log.info("a client went away: its slot is free")
+                if self.metrics is not None:
+                    self.metrics.cancelled.inc()
         self._running = [r for r in self._running if not r.done]
 
     def _prefill(self, job: GenerationJob) -> Prefill:
@@ -293,6 +296,7 @@ class Scheduler:
         batch = [r for r in self._running if r.decoder is not None]
         solo = [r for r in self._running if r.decoder is None and r.advance is not None]
         t0 = time.perf_counter()
+        self.largest_batch = max(self.largest_batch, len(batch))
         try:
             if batch:
                 logits = decode_batch(
