@@ -43,11 +43,14 @@ def create_app(
     max_running: int = 8,
     max_queue: int = 64,
     default_max_tokens: int = 256,
+    scheduler_thread: bool = True,
 ) -> FastAPI:
     """The server's app; the scheduler thread starts and stops with the app's lifespan.
 
     ``model_names``: the names requests may use (default: the engine's name); ``api_key``:
-    every endpoint but ``/health`` then needs ``Authorization: Bearer <api_key>``.
+    every endpoint but ``/health`` then needs ``Authorization: Bearer <api_key>``;
+    ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()`` on a thread of its
+    choice (the app's shutdown stops it).
     """
     names = model_names or (engine.name,)
     metrics = ServerMetrics()
@@ -57,7 +60,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        scheduler.start()
+        if scheduler_thread:
+            scheduler.start()
         try:
             yield
         finally:

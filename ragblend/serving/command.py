@@ -13,6 +13,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import threading
 
 from ragblend.errors import RagblendError
 
@@ -110,6 +111,25 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         max_queue=args.max_queue,
         default_max_tokens=args.max_tokens,
+        scheduler_thread=False,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            app.state.scheduler.stop()
+
+    http = threading.Thread(target=serve_http, name="ragblend-http")
+    http.start()
+    try:  # the thread that loaded the model computes: one OpenMP team (ragblend.threads)
+        app.state.scheduler.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join()
+    if not server.started:
+        raise RagblendError(f"could not serve on {args.host}:{args.port} (see the log above)")
     return 0

@@ -147,13 +147,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the event loop's side
     def start(self) -> None:
+        """Run the loop on a thread of its own."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`stop` (``ragblend serve`` runs it on
+        the thread that loaded the model: one OpenMP team in the process)."""
+        self._loop()
 
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
     @property
