@@ -11,7 +11,7 @@ measures, with OpenAI-format chat requests whose user message holds ``--top-k`` 
 - ``streaming_clients``: ``--clients`` concurrent streaming requests: errors, whether every
   stream ended with ``data: [DONE]``, client-side TTFTs;
 - ``decode_throughput``: aggregate decode tokens/s of 4 concurrent requests vs one alone
-  (tokens after the first, over the time from the first first-token to the last token);
+  (client-side, over the span in which every one of them is decoding);
 - ``ttft_under_load``: TTFT of a request arriving while 3 others decode vs a lone request's.
 
 Every request uses ``temperature=0`` and ``ignore_eos`` so each decodes exactly ``--max-tokens``.
@@ -90,7 +90,7 @@ def chat_body(model: str, chunks: list[str], question: str, args, **extra) -> di
 async def stream_one(http: httpx.AsyncClient, body: dict) -> dict:
     """One streaming request: client-side TTFT, token times, [DONE], the ragblend object."""
     t0 = time.perf_counter()
-    first = last = None
+    times: list[float] = []
     done, info, error, usage = False, None, None, {}
     try:
         async with http.stream("POST", "/v1/chat/completions", json={**body, **STREAM}) as r:
@@ -109,15 +109,12 @@ async def stream_one(http: httpx.AsyncClient, body: dict) -> dict:
                 usage = event.get("usage") or usage
                 choices = event.get("choices") or [{}]
                 if choices[0].get("delta", {}).get("content"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
+                    times.append(time.perf_counter())
     except httpx.HTTPError as exc:
         error = repr(exc)
     return {
-        "ttft_s": None if first is None else first - t0,
-        "first": first,
-        "last": last,
+        "ttft_s": times[0] - t0 if times else None,
+        "times": times,  # when each content delta arrived (about one per token)
         "tokens": usage.get("completion_tokens", 0),
         "done": done,
         "ragblend": info,
@@ -154,9 +151,12 @@ async def measure(url: str, model: str, work: list[tuple[list[str], str]], args)
         together = await asyncio.gather(*(stream_one(http, body) for _ in range(4)))
 
         def rate(runs: list[dict]) -> float:
-            tokens = sum(r["tokens"] - 1 for r in runs)
-            span = max(r["last"] for r in runs) - min(r["first"] for r in runs)
-            return tokens / span if span > 0 else 0.0
+            """Deltas per second while every run decodes: from the last run's first token to
+            the first run's last token (prefills of the others excluded)."""
+            lo = max(r["times"][0] for r in runs)
+            hi = min(r["times"][-1] for r in runs)
+            n = sum(sum(1 for t in r["times"] if lo < t <= hi) for r in runs)
+            return n / (hi - lo) if hi > lo else 0.0
 
         single_rate = statistics.median(rate([r]) for r in alone)
         long = {**body, "max_tokens": 4 * args.max_tokens}
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")

@@ -262,19 +262,22 @@ def test_langchain_chat_openai_rag_chain_blends(server):
     prompt = ChatPromptTemplate.from_messages(
         [("system", "Answer from the context.\n\n{context}"), ("human", "{question}")]
     )
-    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="none", model=MODEL, max_tokens=4, temperature=0)
-    join = RunnableLambda(lambda ds: "\n\n".join(d.page_content for d in ds))
-    chain = (
-        {"context": retriever | join, "question": RunnablePassthrough()}
-        | prompt
-        | llm
-        | StrOutputParser()
+    llm = ChatOpenAI(
+        base_url=f"{url}/v1",
+        api_key="none",
+        model=MODEL,
+        max_tokens=4,
+        temperature=0,
+        include_response_headers=True,
     )
+    join = RunnableLambda(lambda ds: "\n\n".join(d.page_content for d in ds))
+    chain = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | llm
     hits = metric(url, "ragblend_chunk_hits_total")
-    blended = metric(url, "ragblend_requests_total", mode="blend")
-    assert isinstance(chain.invoke(QUESTION), str)
+    message = chain.invoke(QUESTION)
+    info = json.loads(message.response_metadata["headers"]["x-ragblend"])
+    assert info["mode"] == "blend" and info["chunk_hits"] == 3
     assert metric(url, "ragblend_chunk_hits_total") == hits + 3
-    assert metric(url, "ragblend_requests_total", mode="blend") == blended + 1
+    assert isinstance((chain | StrOutputParser()).invoke(QUESTION), str)
 
 
 def test_llama_index_openai_like_call_blends(server):

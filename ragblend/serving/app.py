@@ -159,9 +159,11 @@ def create_app(
                     return error(event.status, event.message)
                 if isinstance(event, Finished):
                     build = p.chat_response if chat else p.text_response
-                    return JSONResponse(
-                        build(rid, body.model, event.text, event.finish_reason, event.stats)
-                    )
+                    out = build(rid, body.model, event.text, event.finish_reason, event.stats)
+                    # also as a header: clients that keep only headers (LangChain's
+                    # ChatOpenAI(include_response_headers=True)) see what happened too
+                    header = {"x-ragblend": json.dumps(out["ragblend"], separators=(",", ":"))}
+                    return JSONResponse(out, headers=header)
         finally:
             handle.cancel()
 
