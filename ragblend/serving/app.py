@@ -27,9 +27,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
 from ragblend.serving import protocol as p
+from ragblend.serving.events import Delta, Failed, Finished, GenerationJob, QueueFull
 from ragblend.serving.jobs import JobBuilder, RequestError
 from ragblend.serving.metrics import ServerMetrics
-from ragblend.serving.scheduler import Delta, Failed, Finished, GenerationJob, QueueFull, Scheduler
+from ragblend.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}

@@ -16,8 +16,8 @@ from ragblend.errors import RagblendError
 from ragblend.generation import SamplingParams
 from ragblend.matching import chunked_prompt
 from ragblend.prompt import TokenizedPrompt
+from ragblend.serving.events import GenerationJob
 from ragblend.serving.protocol import ChatCompletionRequest, CompletionRequest
-from ragblend.serving.scheduler import GenerationJob
 
 NO_CHUNK = (
     "no known chunk text occurs in the prompt: precompute the chunks first "
