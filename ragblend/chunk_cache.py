@@ -4,7 +4,9 @@ A chunk's KV is computed once after a *precompute context* (``BlendConfig.precom
 and stored (pre-RoPE K, V; packed to ``kv_dtype``) under a key of the model, dtypes,
 namespace, context ids and chunk ids. A prompt head (template + system prompt) is cached
 exactly, as full prefill computes it. :meth:`ChunkCache.lookup` turns a tokenised prompt
-into the fusor's segments plus the indices of the chunks that missed.
+into the fusor's segments plus the indices of the chunks that missed. The texts of precomputed
+chunks are recorded with the store (``ragblend.store.chunk_texts``), so every engine on that
+store can match them in prompts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ragblend.prompt import (
     tokenize_prompt,
 )
 from ragblend.store.base import ChunkKV, KVEntry, KVStore
+from ragblend.store.chunk_texts import ChunkTexts
 from ragblend.store.keys import chunk_key
 from ragblend.store.quant import pack
 from ragblend.threads import core_free_for_a_reader
@@ -51,6 +54,8 @@ class ChunkCache:
         self.fingerprint = fingerprint
         self._heads: dict[PromptFormat, list[int]] = {}
         self._filler_ids: list[int] | None = None
+        self._texts: ChunkTexts | None = None
+        self._texts_store: KVStore | None = None
 
     # ------------------------------------------------------------------ contexts and keys
     @property
@@ -96,6 +101,29 @@ class ChunkCache:
 
     def prefix_key(self, head: Sequence[int]) -> str:
         return self.key(context_ids=[], chunk_ids=head)
+
+    # ------------------------------------------------------------------ chunk texts
+    @property
+    def text_scope(self) -> str:
+        """What chunk texts are grouped by in the store: model, dtypes and namespace."""
+        return self.key(context_ids=[], chunk_ids=[])
+
+    @property
+    def texts(self) -> ChunkTexts:
+        """The chunk texts recorded with this cache's store."""
+        if self._texts is None or self._texts_store is not self.store:
+            self._texts, self._texts_store = ChunkTexts(self.store), self.store
+        return self._texts
+
+    def record_texts(self, chunks: Iterable[tuple[str, Sequence[int]]], head: list[int]) -> None:
+        """Record ``(text, token ids)`` of precomputed chunks with the store."""
+        context_ids = self.context_ids(head)
+        records = [(self.key(context_ids=context_ids, chunk_ids=ids), t) for t, ids in chunks]
+        self.texts.add(self.text_scope, records)
+
+    def new_texts(self) -> list[str]:
+        """Chunk texts recorded with the store (by any engine) since the previous call."""
+        return self.texts.new_texts(self.text_scope)
 
     # ------------------------------------------------------------------ computing KV
     def loader(self, segments: Sequence[Segment]) -> LayerLoader:
@@ -191,6 +219,7 @@ class ChunkCache:
                     f"context window of {window}"
                 )
             stored += self.precompute_ids(ids, head)
+            self.record_texts([(text, ids)], head)
         return stored
 
     def is_cached(self, text: str, head: list[int]) -> bool:

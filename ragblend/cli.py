@@ -1,4 +1,4 @@
-"""Command line: ``ragblend demo | bench | warmup | cache``."""
+"""Command line: ``ragblend demo | bench | warmup | cache | serve``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": "ragblend.bench.command",
     "warmup": "ragblend.warmup_command",
     "cache": "ragblend.store.command",
+    "serve": "ragblend.serving.command",
 }
 
 

@@ -29,6 +29,7 @@ from ragblend.generation import (
     decode_tokens,
     teacher_forced_logits,
 )
+from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
@@ -239,6 +240,13 @@ class BlendEngine:
 
     def is_cached(self, chunk: str, prompt_format: PromptFormat | None = None) -> bool:
         return self.chunks.is_cached(chunk, self.prompt_head(prompt_format))
+
+    def known_chunks(self) -> ChunkIndex:
+        """The chunk texts this engine matches in prompts: those it was warmed with and every
+        text recorded with its store (by ``ragblend warmup``, a server, an integration)."""
+        index = known_chunks(self)
+        index.add(self.chunks.new_texts())
+        return index
 
     def prefix_kv(self, head: list[int]):
         """Exact KV of a prompt head (computed once, then served from the store)."""

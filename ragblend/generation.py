@@ -1,7 +1,7 @@
 """Generation after a prefill: sampling parameters, next-token choice, the decode loop, streams.
 
 In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams`, one next-token
-choice (``_Sampler``), and :func:`decode_tokens`, which decodes into preallocated K/V (a
+choice (``Sampler``), and :func:`decode_tokens`, which decodes into preallocated K/V (a
 :class:`~ragblend.layer_decode.LayerDecoder`, or HF's ``StaticCache`` where that does not
 apply) so each new token is written in place instead of concatenated onto every layer's K/V
 (``DynamicCache`` copies the whole context per token).
@@ -105,7 +105,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-class _Sampler:
+class Sampler:
     """Next-token choice for one request (holds the RNG and the HF logits warpers)."""
 
     def __init__(self, params: SamplingParams) -> None:
@@ -181,9 +181,9 @@ def decode_tokens(
     stats.finish_reason = "length"
     if max_new_tokens <= 0:
         return
-    sample = _Sampler(params)
+    sample = Sampler(params)
     history = list(prefill.prompt_ids) if not params.greedy else []
-    advance = _decode_step(model, layers, prefill, len(prefill.prompt_ids) + max_new_tokens)
+    advance = decode_step(model, layers, prefill, len(prefill.prompt_ids) + max_new_tokens)
     logits = prefill.logits
     for step in range(max_new_tokens):
         token = sample(logits, history)
@@ -199,7 +199,7 @@ def decode_tokens(
         logits = advance(token)
 
 
-def _decode_step(
+def decode_step(
     model: PreTrainedModel, layers: LayerwiseModel | None, prefill: Prefill, total_len: int
 ) -> Callable[[int], torch.Tensor]:
     """token → fp32 logits [vocab] of the next one, in a cache of its own for ``total_len``."""

@@ -73,35 +73,58 @@ class LayerDecoder:
             kv.append((k, v))
         return cls(layers, kv, total_len, prompt_len)
 
-    @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Feed ``token`` at the next position; fp32 logits [vocab] for the one after it."""
-        m, p = self.layers, self.position
-        if p >= self.capacity:
-            raise IndexError(f"the decode buffer holds {self.capacity} tokens")
-        device = self.keys[0].device
-        hidden = m.embed(torch.tensor([token], device=device))
-        position = torch.tensor([p], device=device)
-        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        groups = m.num_heads // m.num_kv_heads
-        for i in range(m.num_layers):
-            group = m.rope_group(i)
-            if group not in ropes:
-                ropes[group] = m.rope(position, hidden, i)
-            cos, sin = ropes[group]
-            proj = m.project(i, hidden, cos, sin)
-            k, v = self.keys[i], self.values[i]
-            k[..., p : p + 1, :].copy_(proj.k)
-            v[..., p : p + 1, :].copy_(proj.v)
-            window = m.sliding_window(i)
+        return decode_batch([self], [token])[0]
+
+
+@torch.inference_mode()
+def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> torch.Tensor:
+    """One decode step of several requests at once: fp32 logits [B, vocab], row b for
+    ``decoders[b]`` fed ``tokens[b]``.
+
+    The B new tokens go through every norm, projection and MLP as one [1, B, D] batch (one
+    GEMM per linear for all requests, each row with its own RoPE position); attention runs
+    per request, its one query row over its own preallocated K/V. With one decoder this is
+    exactly :meth:`LayerDecoder.step`. All decoders must share one ``LayerwiseModel``.
+    """
+    if not decoders or len(decoders) != len(tokens):
+        raise ValueError("decode_batch needs one token per decoder, and at least one")
+    m = decoders[0].layers
+    for d in decoders:
+        if d.position >= d.capacity:
+            raise IndexError(f"the decode buffer holds {d.capacity} tokens")
+    device = decoders[0].keys[0].device
+    positions = [d.position for d in decoders]
+    hidden = m.embed(torch.tensor(list(tokens), device=device))
+    position_ids = torch.tensor(positions, device=device)
+    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
+    groups = m.num_heads // m.num_kv_heads
+    rows = len(decoders)
+    for i in range(m.num_layers):
+        group = m.rope_group(i)
+        if group not in ropes:
+            ropes[group] = m.rope(position_ids, hidden, i)
+        cos, sin = ropes[group]
+        proj = m.project(i, hidden, cos, sin)
+        window = m.sliding_window(i)
+        outs = []
+        for b, (d, p) in enumerate(zip(decoders, positions)):
+            k, v = d.keys[i], d.values[i]
+            k[..., p : p + 1, :].copy_(proj.k[:, :, b : b + 1])
+            v[..., p : p + 1, :].copy_(proj.v[:, :, b : b + 1])
             lo = 0 if window is None else max(0, p - int(window) + 1)
-            out = F.scaled_dot_product_attention(
-                proj.q,
-                k[..., lo : p + 1, :],
-                v[..., lo : p + 1, :],
-                scale=m.scaling(i),
-                enable_gqa=groups > 1,
+            outs.append(
+                F.scaled_dot_product_attention(
+                    proj.q[:, :, b : b + 1],
+                    k[..., lo : p + 1, :],
+                    v[..., lo : p + 1, :],
+                    scale=m.scaling(i),
+                    enable_gqa=groups > 1,
+                )
             )
-            hidden = m.finish(i, hidden, out.transpose(1, 2).reshape(1, 1, -1))
-        self.position = p + 1
-        return m.logits(hidden)[-1]
+        out = outs[0] if rows == 1 else torch.cat(outs, dim=2)
+        hidden = m.finish(i, hidden, out.transpose(1, 2).reshape(1, rows, -1))
+    for d in decoders:
+        d.position += 1
+    return m.logits(hidden)

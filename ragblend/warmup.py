@@ -66,6 +66,8 @@ class _Precomputing:
                 self._between_layers(),
                 name="ragblend-warmup-compute",
             )
+            if isinstance(item, str):  # known to every engine on the store from now on
+                self.engine.chunks.record_texts([(item, ids)], head)
         except _Preempted:
             raise
         except Exception as exc:

@@ -67,6 +67,7 @@ class ChunkWarmer:
                     stored += 1
                 else:
                     skipped += 1
+                self.engine.chunks.record_texts([(text, ids)], self.head)
             except Exception as exc:  # one bad chunk must not end the job
                 errors.append(str(exc))
         self.store.flush()

@@ -261,7 +261,7 @@ class ChatRagBlend(BaseChatModel):
             # plain text (format_docs, stuff chains): split at known or retrieved chunk texts
             retrieved = RECORDER.retrieved_for(run_manager.run_id) if run_manager else ()
             prompt = chunked_prompt(
-                self.engine.tokenizer, chat, index=known_chunks(self.engine), retrieved=retrieved
+                self.engine.tokenizer, chat, index=self.engine.known_chunks(), retrieved=retrieved
             )
             if prompt is not None:
                 return _Request(options, chat=chat, tokenized=prompt)

@@ -35,7 +35,6 @@ from ragblend.errors import RagblendError
 from ragblend.matching import (
     chunked_prompt,
     fallback_message,
-    known_chunks,
     mark_fallback,
     prompt_forms,
 )
@@ -223,7 +222,7 @@ class BlendLLM(CustomLLM):
         mode = kwargs.get("mode", self.mode)
         if mode in ("reuse", "blend"):
             tokenizer = self._engine.tokenizer
-            prompt = chunked_prompt(tokenizer, chat, text, index=known_chunks(self._engine))
+            prompt = chunked_prompt(tokenizer, chat, text, index=self._engine.known_chunks())
             if prompt is not None:
                 ratio = kwargs.get("ratio", self.ratio)
                 stream = self._engine.stream_prompt(prompt, mode, ratio, **self._decoding(kwargs))

@@ -1,0 +1,233 @@
+"""Load on ``ragblend serve``: concurrent streaming clients, batched decode, TTFT under load.
+
+    python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
+
+Starts ``ragblend serve`` in a subprocess on a free port (or uses ``--url``), warms the chunks
+of the first ``--questions`` MuSiQue dev cases through ``POST /v1/ragblend/chunks``, then
+measures, with OpenAI-format chat requests whose user message holds ``--top-k`` chunks:
+
+- ``blend_vs_full``: the server's TTFT of the same request in blend and in full mode (interleaved,
+  ``--repeats`` pairs), the mode that ran and its chunk hits;
+- ``streaming_clients``: ``--clients`` concurrent streaming requests: errors, whether every
+  stream ended with ``data: [DONE]``, client-side TTFTs;
+- ``decode_throughput``: aggregate decode tokens/s of 4 concurrent requests vs one alone
+  (client-side, over the span in which every one of them is decoding);
+- ``ttft_under_load``: TTFT of a request arriving while 3 others decode vs a lone request's.
+
+Every request uses ``temperature=0`` and ``ignore_eos`` so each decodes exactly ``--max-tokens``.
+Run it on a quiet machine: the figures are timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
+STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, store: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "ragblend.cli", "serve", "--model", args.model, "--port"]
+    cmd += [str(port), "--store-path", store, "--dtype", args.dtype, "--max-running", "8"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"ragblend serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("ragblend serve did not become healthy in 600 s")
+
+
+def cases(args: argparse.Namespace) -> list[tuple[list[str], str]]:
+    """(chunks, question) of the first --questions cases, chunks cut as `ragblend bench` does."""
+    from transformers import AutoTokenizer
+
+    from ragblend.bench.datasets import load_cases
+    from ragblend.models.loading import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir(args.model))
+    loaded = load_cases(args.dataset, tok, args.top_k, args.chunk_tokens, args.questions)
+    return [(list(c.chunks), c.question) for c in loaded]
+
+
+def chat_body(model: str, chunks: list[str], question: str, args, **extra) -> dict:
+    context = "\n\n".join(chunks)
+    messages = [
+        {"role": "system", "content": "Answer the question from the passages, in a few words."},
+        {"role": "user", "content": f"Passages:\n\n{context}\n\nQuestion: {question}"},
+    ]
+    body = {"model": model, "messages": messages, "max_tokens": args.max_tokens}
+    return {**body, "temperature": 0, "ignore_eos": True, **extra}
+
+
+async def stream_one(http: httpx.AsyncClient, body: dict) -> dict:
+    """One streaming request: client-side TTFT, token times, [DONE], the ragblend object."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    done, info, error, usage = False, None, None, {}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json={**body, **STREAM}) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                info = event.get("ragblend", info)
+                usage = event.get("usage") or usage
+                choices = event.get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    times.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        error = repr(exc)
+    return {
+        "ttft_s": times[0] - t0 if times else None,
+        "times": times,  # when each content delta arrived (about one per token)
+        "tokens": usage.get("completion_tokens", 0),
+        "done": done,
+        "ragblend": info,
+        "error": error,
+    }
+
+
+async def measure(url: str, model: str, work: list[tuple[list[str], str]], args) -> dict:
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        texts = list(dict.fromkeys(c for chunks, _ in work for c in chunks))
+        warmed = (await http.post("/v1/ragblend/chunks", json={"texts": texts})).json()
+        warm_s = time.perf_counter() - t0
+        body = chat_body(model, *work[0], args)
+        await stream_one(http, body)  # one request before the clocks (first-use costs)
+
+        pairs = []
+        for _ in range(args.repeats):
+            row = {}
+            for mode in ("blend", "full"):
+                r = await http.post(
+                    "/v1/chat/completions", json={**body, "ragblend": {"mode": mode}}
+                )
+                row[mode] = r.json()["ragblend"]
+            pairs.append(row)
+        blend_ms = statistics.median(p["blend"]["ttft_ms"] for p in pairs)
+        full_ms = statistics.median(p["full"]["ttft_ms"] for p in pairs)
+
+        bodies = [chat_body(model, *work[i % len(work)], args) for i in range(args.clients)]
+        many = await asyncio.gather(*(stream_one(http, b) for b in bodies))
+
+        alone = [await stream_one(http, body) for _ in range(args.repeats)]
+        together = await asyncio.gather(*(stream_one(http, body) for _ in range(4)))
+
+        def rate(runs: list[dict]) -> float:
+            """Deltas per second while every run decodes: from the last run's first token to
+            the first run's last token (prefills of the others excluded)."""
+            lo = max(r["times"][0] for r in runs)
+            hi = min(r["times"][-1] for r in runs)
+            n = sum(sum(1 for t in r["times"] if lo < t <= hi) for r in runs)
+            return n / (hi - lo) if hi > lo else 0.0
+
+        single_rate = statistics.median(rate([r]) for r in alone)
+        long = {**body, "max_tokens": 4 * args.max_tokens}
+        busy = [asyncio.create_task(stream_one(http, long)) for _ in range(3)]
+        while (await http.get("/health")).json()["running"] < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # all three are decoding
+        loaded = await stream_one(http, body)
+        await asyncio.gather(*busy)
+        lone_ttft = statistics.median(r["ttft_s"] for r in alone)
+    return {
+        "warmup": {"chunks": len(texts), "seconds": warm_s, **warmed},
+        "blend_vs_full": {
+            "ttft_ms_blend_median": blend_ms,
+            "ttft_ms_full_median": full_ms,
+            "speedup": full_ms / blend_ms if blend_ms else None,
+            "blend_mode": pairs[0]["blend"]["mode"],
+            "chunk_hits": pairs[0]["blend"]["chunk_hits"],
+            "pairs": pairs,
+        },
+        "streaming_clients": {
+            "clients": args.clients,
+            "modes": sorted({(r["ragblend"] or {}).get("mode", "?") for r in many}),
+            "errors": sum(1 for r in many if r["error"] or not r["done"]),
+            "all_done": all(r["done"] for r in many),
+            "ttft_s": [r["ttft_s"] for r in many],
+        },
+        "decode_throughput": {
+            "single_tok_s": single_rate,
+            "four_concurrent_tok_s": rate(list(together)),
+            "ratio": rate(list(together)) / single_rate if single_rate else None,
+        },
+        "ttft_under_load": {
+            "lone_ttft_s": lone_ttft,
+            "with_three_decoding_ttft_s": loaded["ttft_s"],
+            "ratio": loaded["ttft_s"] / lone_ttft if lone_ttft and loaded["ttft_s"] else None,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=None, help="a running server (default: start one)")
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--served-model", default=None, help="the name to request")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dataset", type=Path, default=DATASET)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    args = parser.parse_args()
+    work = cases(args)
+    with tempfile.TemporaryDirectory(prefix="ragblend-serve-load-") as store:
+        proc, url = (None, args.url) if args.url else start_server(args, store)
+        try:
+            model = args.served_model or httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+            results = asyncio.run(measure(url, model, work, args))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    out = {"settings": {**settings, "server": model}, **results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k != "settings"}, indent=2)[:3000])
+
+
+if __name__ == "__main__":
+    main()

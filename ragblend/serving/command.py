@@ -1,0 +1,135 @@
+"""``ragblend serve``: an OpenAI-compatible blend server (``/v1/chat/completions`` and more).
+
+Chunks warmed into the same store (``ragblend warmup``, another server, an integration, or
+``POST /v1/ragblend/chunks``) are found in any request's text and blended; each response says
+what happened in its ``ragblend`` object. Binds 127.0.0.1 unless told otherwise; with
+``--api-key`` (or RAGBLEND_API_KEY) every endpoint but /health needs
+``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import threading
+
+from ragblend.errors import RagblendError
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API that blends known chunks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="embedded", help="'embedded', a local HF dir or a .gguf")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument(
+        "--store-path", default=None, help="disk store (default: the one `ragblend warmup` writes)"
+    )
+    store.add_argument("--redis-url", default=None, help="the shared Redis/Valkey tier instead")
+    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
+    p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (default: $RAGBLEND_API_KEY, else none)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model name clients send")
+    p.add_argument("--max-running", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.set_defaults(func=run)
+
+
+def open_store(store_path: str | None, redis_url: str | None, namespace: str | None):
+    """A RAM tier in front of the disk tier ``ragblend warmup`` writes (or of Redis)."""
+    from ragblend.store import DiskStore, MemoryStore, TieredStore
+
+    if redis_url:
+        from ragblend.store.layered import LayeredStore
+        from ragblend.store.redis import RedisStore
+
+        redis = RedisStore(redis_url, namespace=namespace)
+        if not redis.ping():
+            log.warning("the Redis tier is unreachable now: lookups are misses until it is back")
+        return LayeredStore([MemoryStore(), redis])
+    return TieredStore(MemoryStore(), DiskStore(store_path))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning (and return True) when ``host`` is not loopback and there is no key."""
+    if api_key or is_loopback(host):
+        return False
+    log.warning(
+        "serving on %s without an API key: anyone who can reach it can use the model and the "
+        "cached documents; set --api-key or RAGBLEND_API_KEY",
+        host,
+    )
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ragblend.serving.app import create_app
+    except ImportError as exc:
+        raise RagblendError(
+            f"`ragblend serve` needs pip install 'ragblend[serve]' ({exc})"
+        ) from None
+    from ragblend.config import BlendConfig
+    from ragblend.engine import BlendEngine
+
+    api_key = args.api_key or os.environ.get("RAGBLEND_API_KEY") or None
+    warn_if_exposed(args.host, api_key)
+    config = BlendConfig(device=args.device, dtype=args.dtype, namespace=args.namespace)
+    store = open_store(args.store_path, args.redis_url, args.namespace)
+    engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
+    names = tuple(dict.fromkeys(n for n in (args.served_model_name, engine.name, args.model) if n))
+    app = create_app(
+        engine,
+        model_names=names,
+        api_key=api_key,
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        default_max_tokens=args.max_tokens,
+        scheduler_thread=False,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            app.state.scheduler.stop()
+
+    http = threading.Thread(target=serve_http, name="ragblend-http")
+    http.start()
+    try:  # the thread that loaded the model computes: one OpenMP team (ragblend.threads)
+        app.state.scheduler.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join()
+    if not server.started:
+        raise RagblendError(f"could not serve on {args.host}:{args.port} (see the log above)")
+    return 0

@@ -1,0 +1,281 @@
+"""Per-step scheduling of generation requests on one engine (the server's compute thread).
+
+Like llama.cpp's server, a fixed number of *slots* run at once. One thread does every torch
+computation of the server (one OpenMP team, see ``ragblend.threads``), in a loop of steps:
+
+1. requests whose client went away are dropped (their slot and K/V buffer are freed);
+2. one queued call runs (e.g. precomputing one chunk for ``POST /v1/ragblend/chunks``);
+3. one waiting request is admitted into a free slot: its prefill (blend makes it short) runs
+   and its first token is sent;
+4. every running request decodes one token, all as one batch
+   (:func:`ragblend.layer_decode.decode_batch`: one GEMM per linear over all their rows,
+   attention per request over its own cache).
+
+So a new request waits at most one decode step for its prefill, and running requests pause
+for at most one prefill. The waiting queue is bounded: :meth:`Scheduler.submit` raises
+:class:`QueueFull` (HTTP 429) when it is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ragblend.engine import BlendEngine
+from ragblend.errors import RagblendError
+from ragblend.generation import BlendStats, Prefill, Sampler, decode_step
+from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.serving.events import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationJob,
+    QueueFull,
+    RequestHandle,
+)
+from ragblend.serving.metrics import ServerMetrics
+from ragblend.serving.output import TextOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    handle: RequestHandle
+    job: GenerationJob
+    stats: BlendStats
+    output: TextOutput
+    sampler: Sampler
+    history: list[int]
+    decoder: LayerDecoder | None = None
+    advance: Callable[[int], Any] | None = None  # HF's step where no LayerDecoder applies
+    token: int = -1  # the last sampled token, fed at the next step
+    done: bool = False
+
+
+class Scheduler:
+    """Runs generation jobs on ``engine`` in ``max_running`` slots (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: BlendEngine,
+        max_running: int = 8,
+        max_queue: int = 64,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if max_running < 1 or max_queue < 0:
+            raise RagblendError("max_running must be >= 1 and max_queue >= 0")
+        self.engine = engine
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[tuple[RequestHandle, GenerationJob]] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._running: list[_Running] = []
+        self._stopping = False
+        self.largest_batch = 0  # the most requests one decode step has run together
+        self._thread = threading.Thread(target=self._loop, name="ragblend-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ the event loop's side
+    def start(self) -> None:
+        """Run the loop on a thread of its own."""
+        self._thread.start()
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`stop` (``ragblend serve`` runs it on
+        the thread that loaded the model: one OpenMP team in the process)."""
+        self._loop()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, job: GenerationJob, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        """Queue ``job``; raises QueueFull when the waiting queue is full."""
+        handle = RequestHandle(loop)
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            in_flight = len(self._running) + len(self._waiting)
+            if in_flight >= self.max_running + self.max_queue:
+                raise QueueFull(
+                    f"{len(self._running)} requests are running and {len(self._waiting)} wait"
+                )
+            self._waiting.append((handle, job))
+            self._cond.notify()
+        self._gauges()
+        return handle
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the compute thread between two steps; its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    # ------------------------------------------------------------------ the compute thread
+    def _loop(self) -> None:
+        self.engine._prepare_decode()
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._running or self._calls):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                call = self._calls.popleft() if self._calls else None
+                admit = None
+                if self._waiting and len(self._running) < self.max_running:
+                    admit = self._waiting.popleft()
+            self._drop_cancelled()
+            if call is not None:
+                self._run_call(*call)
+            if admit is not None and not admit[0].cancelled.is_set():
+                self._admit(*admit)
+            if self._running:
+                self._step()
+            self._gauges()
+        self._shut_down()
+
+    def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+    def _drop_cancelled(self) -> None:
+        for r in self._running:
+            if r.handle.cancelled.is_set():
+                r.done = True
+                log.info("a client went away: its slot is free")
+                if self.metrics is not None:
+                    self.metrics.cancelled.inc()
+        self._running = [r for r in self._running if not r.done]
+
+    def _prefill(self, job: GenerationJob) -> Prefill:
+        if isinstance(job.prompt, list):
+            stats = BlendStats(mode="full", prompt_tokens=len(job.prompt))
+            stats.fallback_reason = job.fallback_reason
+            return self.engine.full_prefill(job.prompt, stats)
+        return self.engine.prefill(job.prompt, mode=job.mode)
+
+    def _admit(self, handle: RequestHandle, job: GenerationJob) -> None:
+        try:
+            pre = self._prefill(job)
+            sampler = Sampler(job.params)
+            history = [] if job.params.greedy else list(job.prompt_ids)
+            first = sampler(pre.logits, history)
+            stats = pre.stats
+            stats.ttft_ms = (time.perf_counter() - job.arrived) * 1000
+            output = TextOutput(self.engine.tokenizer, job.stop)
+            r = _Running(handle, job, stats, output, sampler, history)
+            if job.max_tokens > 1:
+                total = len(job.prompt_ids) + job.max_tokens
+                layers = self.engine.layers
+                r.decoder = LayerDecoder.for_cache(layers, pre.cache, len(pre.prompt_ids), total)
+                if r.decoder is None:
+                    r.advance = decode_step(self.engine.model, None, pre, total)
+        except RagblendError as exc:
+            handle.post(Failed(str(exc), 400))
+            return
+        except Exception as exc:
+            log.exception("prefill failed")
+            handle.post(Failed(f"prefill failed: {exc}", 500))
+            return
+        if self.metrics is not None:
+            self.metrics.first_token(stats)
+        self._running.append(r)
+        self._accept(r, first)
+
+    def _accept(self, r: _Running, token: int) -> None:
+        """Hand out ``token`` of request ``r`` (or end it there)."""
+        if not r.job.ignore_eos and token in self.engine.eos_ids:
+            self._finish(r, "stop")
+            return
+        r.stats.completion_tokens += 1
+        delta = r.output.add(token)
+        if delta:
+            r.handle.post(Delta(delta))
+        if r.output.stopped:
+            self._finish(r, "stop")
+        elif r.stats.completion_tokens >= r.job.max_tokens:
+            self._finish(r, "length")
+        else:
+            r.token = token
+            if not r.job.params.greedy:
+                r.history.append(token)
+
+    def _finish(self, r: _Running, reason: str) -> None:
+        rest = r.output.flush()
+        if rest:
+            r.handle.post(Delta(rest))
+        r.stats.finish_reason = reason
+        r.handle.post(Finished(r.output.text, reason, r.stats))
+        r.done = True
+        r.decoder = r.advance = None  # frees the K/V buffers now
+
+    def _step(self) -> None:
+        batch = [r for r in self._running if r.decoder is not None]
+        solo = [r for r in self._running if r.decoder is None and r.advance is not None]
+        t0 = time.perf_counter()
+        self.largest_batch = max(self.largest_batch, len(batch))
+        try:
+            if batch:
+                logits = decode_batch(
+                    [r.decoder for r in batch if r.decoder], [r.token for r in batch]
+                )
+                for r, row in zip(batch, logits):
+                    self._accept(r, r.sampler(row, r.history))
+            for r in solo:
+                if r.advance is not None:
+                    self._accept(r, r.sampler(r.advance(r.token), r.history))
+        except Exception as exc:
+            log.exception("decode step failed")
+            for r in batch + solo:
+                if not r.done:
+                    r.handle.post(Failed(f"decoding failed: {exc}", 500))
+                    r.done = True
+        if self.metrics is not None:
+            self.metrics.decoded(len(batch) + len(solo), time.perf_counter() - t0)
+        self._running = [r for r in self._running if not r.done]
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.occupancy(len(self._waiting), len(self._running))
+
+    def _shut_down(self) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            calls, self._calls = list(self._calls), collections.deque()
+        for handle, _ in waiting:
+            handle.post(Failed("the server is shutting down", 503))
+        for r in self._running:
+            r.handle.post(Failed("the server is shutting down", 503))
+        self._running = []
+        for _, future in calls:
+            future.cancel()

@@ -1,0 +1,69 @@
+"""Batched decoding: several requests' steps as one batch give what each gives alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FAMILIES, engine_for, tiny_model
+
+from ragblend.layer_decode import LayerDecoder, decode_batch
+
+PROMPTS = ["Hello there, how are you", "The capital of France is a city", "1 2 3 4 5 6 7 8 9"]
+
+
+def greedy(engine, decoders, first, steps):
+    """Greedy ids and per-step logits, decoding ``decoders`` together."""
+    tokens, ids, logits = list(first), [[t] for t in first], []
+    for _ in range(steps):
+        out = decode_batch(decoders, tokens)
+        logits.append(out)
+        tokens = [int(t) for t in out.argmax(-1)]
+        for seq, t in zip(ids, tokens):
+            seq.append(t)
+    return ids, logits
+
+
+def start(engine, prompt_ids, steps):
+    pre = engine.full_prefill(prompt_ids)
+    total = len(prompt_ids) + steps + 1
+    return LayerDecoder.for_cache(engine.layers, pre.cache, len(prompt_ids), total), int(
+        pre.logits.argmax()
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_ids_equal_each_request_decoded_alone_fp32(family, tokenizer):
+    engine = engine_for(tiny_model(family), tokenizer)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    steps = 10
+    alone = []
+    for ids in prompts:
+        decoder, first = start(engine, ids, steps)
+        alone.append(greedy(engine, [decoder], [first], steps))
+    started = [start(engine, ids, steps) for ids in prompts]
+    together, logits = greedy(engine, [d for d, _ in started], [f for _, f in started], steps)
+    assert together == [ids[0] for ids, _ in alone]
+    for b, (_, single) in enumerate(alone):  # same values up to GEMM summation order
+        for step, batch_logits in zip(single, logits):
+            torch.testing.assert_close(batch_logits[b], step[0], atol=1e-4, rtol=1e-4)
+
+
+def test_one_request_batch_is_the_single_step(tokenizer):
+    engine = engine_for(tiny_model("qwen3"), tokenizer)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    a, first = start(engine, ids, 4)
+    b, _ = start(engine, ids, 4)
+    assert torch.equal(a.step(first), decode_batch([b], [first])[0])
+    assert a.position == b.position == len(ids) + 1
+
+
+def test_a_full_decode_buffer_is_an_error_and_nothing_advances(tokenizer):
+    engine = engine_for(tiny_model("llama"), tokenizer)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    roomy, first = start(engine, ids, 5)
+    full = LayerDecoder.for_cache(engine.layers, engine.full_prefill(ids).cache, len(ids), len(ids))
+    with pytest.raises(IndexError):
+        decode_batch([roomy, full], [first, first])
+    assert roomy.position == len(ids)
+    with pytest.raises(ValueError):
+        decode_batch([roomy], [])
