@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from ragblend.private import private_dir, touch_private
+
 log = logging.getLogger(__name__)
 
 Record = tuple[str, str]  # (chunk key, chunk text)
@@ -73,8 +75,8 @@ class SqliteTexts:
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))  # owner-only, any umask
+            private_dir(self.path.parent, check=False)  # the store's root is checked
+            touch_private(self.path)  # owner-only whatever the umask; SQLite's -wal/-shm follow
             conn = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(
