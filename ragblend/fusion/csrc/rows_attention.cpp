@@ -12,6 +12,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "row_tiles.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -170,10 +172,6 @@ void softmax_step(float* s, BFloat16* p, int64_t count, int64_t width, float sca
   max = new_max;
 }
 
-struct Task {
-  int64_t head, begin, end, keys;
-};
-
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& positions, double softmax_scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 &&
@@ -193,11 +191,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t groups = heads / kv_heads;
   const float scale = static_cast<float>(softmax_scale);
   const int64_t* pos = positions.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < n, "attend_rows: position ", pos[i], " outside ", n,
-                " keys");
-    TORCH_CHECK(i == 0 || pos[i] > pos[i - 1], "attend_rows: positions must be ascending");
-  }
+  ragblend::check_positions(pos, m, n, "attend_rows");
   at::Tensor out = at::empty({1, m, heads * dim}, q.options());
   if (m == 0) return out;
 
@@ -221,33 +215,16 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     }
   });
 
-  // Tasks: (KV head, row tile), costing rows x keys read; longest first onto the least loaded
-  // thread (tiles late in the prompt read more keys, so equal counts would not balance).
-  std::vector<Task> tasks;
-  for (int64_t h = 0; h < kv_heads; ++h)
-    for (int64_t a = 0; a < m; a += kTileRows) {
-      const int64_t b = std::min(m, a + kTileRows);
-      tasks.push_back({h, a, b, pos[b - 1] + 1});
-    }
-  const auto cost = [](const Task& t) { return t.keys * (t.end - t.begin); };
-  std::sort(tasks.begin(), tasks.end(),
-            [&](const Task& x, const Task& y) { return cost(x) > cost(y); });
-  const int64_t threads =
-      std::min<int64_t>(std::max(at::get_num_threads(), 1), static_cast<int64_t>(tasks.size()));
-  std::vector<std::vector<Task>> bins(threads);
-  std::vector<int64_t> load(threads, 0);
-  for (const Task& t : tasks) {
-    const auto i = std::min_element(load.begin(), load.end()) - load.begin();
-    bins[i].push_back(t);
-    load[i] += cost(t);
-  }
+  const std::vector<std::vector<ragblend::Task>> bins =
+      ragblend::balanced_tiles(pos, m, kv_heads, kTileRows);
+  const int64_t threads = static_cast<int64_t>(bins.size());
 
   const BFloat16* qd = q.const_data_ptr<BFloat16>();
   BFloat16* od = out.data_ptr<BFloat16>();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(groups * kTileRows, dim);
     for (int64_t bin = begin; bin < end; ++bin) {
-      for (const Task& t : bins[bin]) {
+      for (const ragblend::Task& t : bins[bin]) {
         const int64_t rows = t.end - t.begin, tile = groups * rows;
         // Stack the query heads that share this KV head: tile row g * rows + r.
         for (int64_t g = 0; g < groups; ++g)

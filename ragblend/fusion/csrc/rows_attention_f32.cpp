@@ -15,6 +15,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "row_tiles.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -99,10 +101,6 @@ void matmul(int64_t rows, int64_t cols, int64_t inner, const float* a, int64_t l
   sgemm_(&tb, &ta, &m, &n, &k, &one, b, &ld_b, a, &ld_a, &beta, c, &ld_c);
 }
 
-struct Task {
-  int64_t head, begin, end, keys;
-};
-
 // q [1, H, m, d], k, v [1, Hkv, N, d] float32 (d contiguous), positions [m] int64 ascending
 // -> [1, m, H * d]: row i attends keys 0 .. positions[i].
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -125,34 +123,13 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t groups = heads / kv_heads;
   const float scale = static_cast<float>(softmax_scale);
   const int64_t* pos = positions.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < n, "attend_rows_f32: position ", pos[i], " outside ",
-                n, " keys");
-    TORCH_CHECK(i == 0 || pos[i] > pos[i - 1], "attend_rows_f32: positions must be ascending");
-  }
+  ragblend::check_positions(pos, m, n, "attend_rows_f32");
   at::Tensor out = at::empty({1, m, heads * dim}, q.options());
   if (m == 0) return out;
 
-  // Tasks: (KV head, row tile), costing rows x keys read; longest first onto the least loaded
-  // thread (tiles late in the prompt read more keys, so equal counts would not balance).
-  std::vector<Task> tasks;
-  for (int64_t h = 0; h < kv_heads; ++h)
-    for (int64_t a = 0; a < m; a += kTileRows) {
-      const int64_t b = std::min(m, a + kTileRows);
-      tasks.push_back({h, a, b, pos[b - 1] + 1});
-    }
-  const auto cost = [](const Task& t) { return t.keys * (t.end - t.begin); };
-  std::sort(tasks.begin(), tasks.end(),
-            [&](const Task& x, const Task& y) { return cost(x) > cost(y); });
-  const int64_t threads =
-      std::min<int64_t>(std::max(at::get_num_threads(), 1), static_cast<int64_t>(tasks.size()));
-  std::vector<std::vector<Task>> bins(threads);
-  std::vector<int64_t> load(threads, 0);
-  for (const Task& t : tasks) {
-    const auto i = std::min_element(load.begin(), load.end()) - load.begin();
-    bins[i].push_back(t);
-    load[i] += cost(t);
-  }
+  const std::vector<std::vector<ragblend::Task>> bins =
+      ragblend::balanced_tiles(pos, m, kv_heads, kTileRows);
+  const int64_t threads = static_cast<int64_t>(bins.size());
 
   const float* qd = q.const_data_ptr<float>();
   const float* kd = k.const_data_ptr<float>();
@@ -167,7 +144,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     float* row_max = scores + max_tile * kKeyBlock;
     float* row_sum = row_max + max_tile;
     for (int64_t bin = begin; bin < end; ++bin) {
-      for (const Task& t : bins[bin]) {
+      for (const ragblend::Task& t : bins[bin]) {
         const int64_t rows = t.end - t.begin, tile = groups * rows;
         // Stack the query heads that share this KV head: tile row g * rows + r.
         for (int64_t g = 0; g < groups; ++g)
