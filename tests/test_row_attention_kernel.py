@@ -168,7 +168,7 @@ def test_a_failed_build_is_tried_once_per_process(monkeypatch):
 
     monkeypatch.setattr(native, "cpu_runs_kernel", lambda *_: True)
     monkeypatch.setattr(native, "_compiled", failing_compile)
-    monkeypatch.setattr(native, "_FAILED", {})
+    monkeypatch.setattr(native, "_BUILT", {})
     for _ in range(3):
         with pytest.raises(RagblendError, match="no c\\+\\+"):
             native.build_kernels(torch.float32)

@@ -22,7 +22,6 @@ CPU that could run them cannot build them (no C++ compiler); ``"native"`` raises
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -145,21 +144,22 @@ def build_kernels(dtype: torch.dtype = torch.bfloat16) -> NativeKernels:
             f"ragblend's native {dtype} kernels need CPU level {build.level}; this CPU is at "
             f"level {cpu.cpu_isa()} ({cpu.cpu_model()})"
         )
-    failed = _FAILED.get(dtype)
-    if failed is not None:  # a build fails the same way every time: tried once per process
-        raise failed
-    try:
-        return _compiled(dtype)
-    except RagblendError as exc:
-        _FAILED[dtype] = exc
-        raise
+    built = _BUILT.get(dtype)
+    if built is None:  # built once per process; a failing build fails the same way each time
+        try:
+            built = _compiled(dtype)
+        except RagblendError as exc:
+            built = exc
+        _BUILT[dtype] = built
+    if isinstance(built, RagblendError):
+        raise built
+    return built
 
 
-_FAILED: dict[torch.dtype, RagblendError] = {}
+_BUILT: dict[torch.dtype, NativeKernels | RagblendError] = {}  # the kernels, or why not
 _WARNED: set[str] = set()
 
 
-@functools.cache
 def _compiled(dtype: torch.dtype) -> NativeKernels:
     from torch.utils.cpp_extension import load
 
@@ -184,10 +184,7 @@ def _compiled(dtype: torch.dtype) -> NativeKernels:
     ops = getattr(torch.ops, build.name)
     if dtype == torch.float32:
         _check_f32(ops.attend_rows, ops.rope_)
-        return NativeKernels(
-            ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm, dtype), dtype
-        )
-    if not ops.supported():
+    elif not ops.supported():
         raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
     return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm, dtype), dtype)
 
