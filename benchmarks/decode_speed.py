@@ -26,7 +26,7 @@ import torch
 
 import ragblend.generation as generation
 from ragblend import BlendEngine, SamplingParams
-from ragblend.models.packed import pack_one_row_linears, unpack_one_row_linears
+from ragblend.models.packed import pack_decode_linears, unpack_decode_linears
 
 
 def main() -> None:
@@ -51,9 +51,9 @@ def main() -> None:
         )
         layers = engine.layers if kind in ("layerwise", "packed") else None
         if kind == "packed":  # the reordered weights are made here, outside the timing
-            pack_one_row_linears(engine.model)
+            pack_decode_linears(engine.model)
         else:
-            unpack_one_row_linears(engine.model)
+            unpack_decode_linears(engine.model)
         stats = copy.copy(pre.stats)
         p = generation.Prefill(pre.logits, pre.cache, pre.prompt_ids, stats)
         eos: set[int] = set()  # decode exactly --warmup + --tokens tokens

@@ -33,7 +33,7 @@ from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
-from ragblend.models.packed import pack_one_row_linears
+from ragblend.models.packed import pack_decode_linears
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
@@ -412,7 +412,9 @@ class BlendEngine:
                 return self.full_prefill(prompt)
             return self._prefill(prompt, mode, ratio)
 
-        decode = Decoder(self.model, self.tokenizer, self.eos_ids, params, max_new, self.layers)
+        decode = Decoder(
+            self.model, self.tokenizer, self.eos_ids, params, max_new, self.layers, self.native
+        )
         return decode.stream(prefill, self._lock, started, self._prepare_decode)
 
     def generate(
@@ -442,19 +444,20 @@ class BlendEngine:
         return self.stream_prompt(self.chat_ids(messages), **sampling).collect()
 
     def _prepare_decode(self) -> None:
-        """Before decoding: one-row linears on prepacked weights (``config.packed_decode``;
-        once per model). Not at start-up: engines that only precompute (warmup jobs, Ray
-        actors) never pay its time or the weights' second copy."""
+        """Before decoding: decode-step linears on prepacked weights where the copy fits
+        (``config.packed_decode``; once per model). Not at start-up: engines that only
+        precompute (warmup jobs, Ray actors) never pay its time or the weights' second copy."""
         if self.config.packed_decode:
-            pack_one_row_linears(self.model)
+            pack_decode_linears(self.model)
 
     # ------------------------------------------------------------------ benchmarks
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy answer ids after ``prefill`` (EOS excluded; ``prefill`` is left as it was)."""
         pre = dataclasses.replace(prefill, stats=copy.copy(prefill.stats))
         self._prepare_decode()
+        greedy = SamplingParams()
         ids = decode_tokens(
-            self.model, pre, SamplingParams(), max_new_tokens, self.eos_ids, self.layers
+            self.model, pre, greedy, max_new_tokens, self.eos_ids, self.layers, self.native
         )
         return list(ids)
 
@@ -462,7 +465,13 @@ class BlendEngine:
         # Kept for callers outside the engine's modules (greedy only).
         self._prepare_decode()
         return decode_tokens(
-            self.model, prefill, SamplingParams(), max_new_tokens, self.eos_ids, self.layers
+            self.model,
+            prefill,
+            SamplingParams(),
+            max_new_tokens,
+            self.eos_ids,
+            self.layers,
+            self.native,
         )
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from ragblend.layer_decode import LayerDecoder
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from ragblend.fusion.native import NativeKernels
     from ragblend.models.adapters import LayerwiseModel
 
 
@@ -170,12 +171,14 @@ def decode_tokens(
     max_new_tokens: int,
     eos_ids: set[int],
     layers: LayerwiseModel | None = None,
+    kernels: NativeKernels | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids after ``prefill`` (EOS excluded); updates ``prefill.stats``.
 
     ``prefill.cache`` is not modified: decoding runs in its own preallocated cache — given the
-    model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token); otherwise,
-    or where that does not apply, HF's forward over :func:`decode_cache`.
+    model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token, on
+    ``kernels`` where given); otherwise, or where that does not apply, HF's forward over
+    :func:`decode_cache`.
     """
     stats = prefill.stats
     stats.finish_reason = "length"
@@ -183,7 +186,8 @@ def decode_tokens(
         return
     sample = Sampler(params)
     history = list(prefill.prompt_ids) if not params.greedy else []
-    advance = decode_step(model, layers, prefill, len(prefill.prompt_ids) + max_new_tokens)
+    total = len(prefill.prompt_ids) + max_new_tokens
+    advance = decode_step(model, layers, prefill, total, kernels)
     logits = prefill.logits
     for step in range(max_new_tokens):
         token = sample(logits, history)
@@ -200,11 +204,16 @@ def decode_tokens(
 
 
 def decode_step(
-    model: PreTrainedModel, layers: LayerwiseModel | None, prefill: Prefill, total_len: int
+    model: PreTrainedModel,
+    layers: LayerwiseModel | None,
+    prefill: Prefill,
+    total_len: int,
+    kernels: NativeKernels | None = None,
 ) -> Callable[[int], torch.Tensor]:
     """token → fp32 logits [vocab] of the next one, in a cache of its own for ``total_len``."""
     if layers is not None:
-        lean = LayerDecoder.for_cache(layers, prefill.cache, len(prefill.prompt_ids), total_len)
+        n = len(prefill.prompt_ids)
+        lean = LayerDecoder.for_cache(layers, prefill.cache, n, total_len, kernels)
         if lean is not None:
             return lean.step
     device = prefill.logits.device if prefill.logits.is_cuda else model.device
@@ -285,9 +294,11 @@ class Decoder:
         params: SamplingParams,
         max_new_tokens: int,
         layers: LayerwiseModel | None = None,
+        kernels: NativeKernels | None = None,
     ) -> None:
         self.model = model
         self.layers = layers
+        self.kernels = kernels
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.params = params
@@ -316,7 +327,13 @@ class Decoder:
                 tokens: list[int] = []
                 try:
                     ids = decode_tokens(
-                        self.model, pre, self.params, self.max_new_tokens, self.eos_ids, self.layers
+                        self.model,
+                        pre,
+                        self.params,
+                        self.max_new_tokens,
+                        self.eos_ids,
+                        self.layers,
+                        self.kernels,
                     )
                     yield from text_deltas(self.tokenizer, ids, tokens)
                 except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)

@@ -6,6 +6,10 @@ attention of that one row over the keys before it (a slice of the preallocated b
 mask and no padded keys), then o_proj and the MLP (``LayerwiseModel.finish``). The same HF
 modules as ``model(...)``, without the per-step work of HF's forward (mask construction, cache
 bookkeeping, output objects), which dominates decode time for small models on CPU.
+
+Given ragblend's native kernels (:mod:`ragblend.fusion.native`, fp32 on CPU), a step's RoPE
+and RMSNorms are the kernels' (HF's values bit for bit) and the attention of all requests is
+one kernel call that also writes their new K/V; without them, torch's ops per request.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ragblend.fusion.native import NativeKernels, RopeKernel
 from ragblend.models.adapters import LayerwiseModel
 
 
@@ -25,6 +30,7 @@ class LayerDecoder:
     ``keys[i]`` / ``values[i]``: [1, kv_heads, capacity, head_dim], post-RoPE keys, filled with
     the prompt's cache up to ``position`` (a sliding-window layer's cache holds only the last
     tokens before it: what the window reads). The prompt cache itself is never modified.
+    ``kernels``: ragblend's native CPU kernels to step with (see the module docstring).
     """
 
     def __init__(
@@ -33,8 +39,10 @@ class LayerDecoder:
         prompt_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         capacity: int,
         position: int | None = None,
+        kernels: NativeKernels | None = None,
     ):
         self.layers = layers
+        self.kernels = kernels
         self.position = (
             max(int(k.shape[-2]) for k, _ in prompt_kv) if position is None else position
         )
@@ -52,7 +60,12 @@ class LayerDecoder:
 
     @classmethod
     def for_cache(
-        cls, layers: LayerwiseModel, prompt_cache: Any, prompt_len: int, total_len: int
+        cls,
+        layers: LayerwiseModel,
+        prompt_cache: Any,
+        prompt_len: int,
+        total_len: int,
+        kernels: NativeKernels | None = None,
     ) -> LayerDecoder | None:
         """A decoder over ``prompt_cache`` (an HF cache of ``prompt_len`` tokens) with room
         for ``total_len`` tokens, or None where it does not apply: a layer whose cache holds
@@ -71,7 +84,7 @@ class LayerDecoder:
             if k is None or v is None or k.shape[-2] != held or v.shape[-2] != held:
                 return None
             kv.append((k, v))
-        return cls(layers, kv, total_len, prompt_len)
+        return cls(layers, kv, total_len, prompt_len, kernels)
 
     def step(self, token: int) -> torch.Tensor:
         """Feed ``token`` at the next position; fp32 logits [vocab] for the one after it."""
@@ -86,7 +99,8 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     The B new tokens go through every norm, projection and MLP as one [1, B, D] batch (one
     GEMM per linear for all requests, each row with its own RoPE position); attention runs
     per request, its one query row over its own preallocated K/V. With one decoder this is
-    exactly :meth:`LayerDecoder.step`. All decoders must share one ``LayerwiseModel``.
+    exactly :meth:`LayerDecoder.step`. All decoders must share one ``LayerwiseModel`` (and
+    the kernels of the first are used for all).
     """
     if not decoders or len(decoders) != len(tokens):
         raise ValueError("decode_batch needs one token per decoder, and at least one")
@@ -99,32 +113,67 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     hidden = m.embed(torch.tensor(list(tokens), device=device))
     position_ids = torch.tensor(positions, device=device)
     ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
-    groups = m.num_heads // m.num_kv_heads
-    rows = len(decoders)
+    kernels = decoders[0].kernels
+    norm = kernels.rms_norm if kernels is not None and m.llama_rms_norms else None
+    attend = kernels.decode_attend if kernels is not None else None
     for i in range(m.num_layers):
         group = m.rope_group(i)
         if group not in ropes:
             ropes[group] = m.rope(position_ids, hidden, i)
         cos, sin = ropes[group]
-        proj = m.project(i, hidden, cos, sin)
+        proj = m.project(i, hidden, cos, sin, _rope_kernel(m, kernels, cos), norm)
         window = m.sliding_window(i)
-        outs = []
-        for b, (d, p) in enumerate(zip(decoders, positions)):
-            k, v = d.keys[i], d.values[i]
-            k[..., p : p + 1, :].copy_(proj.k[:, :, b : b + 1])
-            v[..., p : p + 1, :].copy_(proj.v[:, :, b : b + 1])
-            lo = 0 if window is None else max(0, p - int(window) + 1)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    proj.q[:, :, b : b + 1],
-                    k[..., lo : p + 1, :],
-                    v[..., lo : p + 1, :],
-                    scale=m.scaling(i),
-                    enable_gqa=groups > 1,
-                )
-            )
-        out = outs[0] if rows == 1 else torch.cat(outs, dim=2)
-        hidden = m.finish(i, hidden, out.transpose(1, 2).reshape(1, rows, -1))
+        if attend is not None and proj.q.dtype == torch.float32:
+            keys = [d.keys[i] for d in decoders]
+            values = [d.values[i] for d in decoders]
+            out = attend(proj.q, proj.k, proj.v, keys, values, positions, window or 0, m.scaling(i))
+        else:
+            out = _attend_each(m, i, decoders, positions, proj.q, proj.k, proj.v, window)
+        hidden = m.finish(i, hidden, out, norm)
     for d in decoders:
         d.position += 1
     return m.logits(hidden)
+
+
+def _rope_kernel(
+    m: LayerwiseModel, kernels: NativeKernels | None, cos: torch.Tensor
+) -> RopeKernel | None:
+    """The native RoPE where it computes this model's: rotate_half over the whole head dim,
+    in the kernels' dtype (as the fusor decides)."""
+    if kernels is None or not m.rope_rotates_half:
+        return None
+    if cos.shape[-1] != m.head_dim or cos.dtype != kernels.dtype:
+        return None
+    return kernels.rope_
+
+
+def _attend_each(
+    m: LayerwiseModel,
+    layer: int,
+    decoders: Sequence[LayerDecoder],
+    positions: Sequence[int],
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Each request's new K/V written at its position and its query row attending its own
+    keys through SDPA; q [1, H, B, d], k_new, v_new [1, Hkv, B, d] → [1, B, H*d]."""
+    groups = m.num_heads // m.num_kv_heads
+    outs = []
+    for b, (d, p) in enumerate(zip(decoders, positions)):
+        k, v = d.keys[layer], d.values[layer]
+        k[..., p : p + 1, :].copy_(k_new[:, :, b : b + 1])
+        v[..., p : p + 1, :].copy_(v_new[:, :, b : b + 1])
+        lo = 0 if window is None else max(0, p - int(window) + 1)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, b : b + 1],
+                k[..., lo : p + 1, :],
+                v[..., lo : p + 1, :],
+                scale=m.scaling(layer),
+                enable_gqa=groups > 1,
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).reshape(1, len(outs), -1)

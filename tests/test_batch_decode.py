@@ -7,6 +7,7 @@ import torch
 from helpers import FAMILIES, engine_for, tiny_model
 
 from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.models.packed import cpu_packs, pack_decode_linears
 
 PROMPTS = ["Hello there, how are you", "The capital of France is a city", "1 2 3 4 5 6 7 8 9"]
 
@@ -67,3 +68,43 @@ def test_a_full_decode_buffer_is_an_error_and_nothing_advances(tokenizer):
     assert roomy.position == len(ids)
     with pytest.raises(ValueError):
         decode_batch([roomy], [])
+
+
+WINDOWS = {  # windows shorter than prompt + steps, so the windowed layers drop keys
+    "mistral": {"sliding_window": 8},
+    "qwen2": {
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+    },
+    "gemma3": {"sliding_window": 8},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_native_decode_steps_batched_equal_alone_bit_for_bit_and_torch_to_rounding(
+    family, tokenizer
+):
+    engine = engine_for(tiny_model(family, **WINDOWS.get(family, {})), tokenizer)
+    kernels = engine.native
+    if kernels is None or kernels.decode_attend is None or not cpu_packs(torch.float32):
+        pytest.skip("no native fp32 kernels (CPU level below avx2, or no compiler) or oneDNN")
+    pack_decode_linears(engine.model)  # as an engine does before it decodes
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    steps = 12
+
+    def run(decoding_together: list[list[int]], native: bool):
+        started = [start(engine, ids, steps) for ids in decoding_together]
+        for decoder, _ in started:
+            decoder.kernels = kernels if native else None
+        return greedy(engine, [d for d, _ in started], [f for _, f in started], steps)
+
+    alone = [run([ids], native=True) for ids in prompts]
+    together, logits = run(prompts, native=True)
+    assert together == [ids[0] for ids, _ in alone]
+    for b, (_, single) in enumerate(alone):  # a request's values do not depend on the batch
+        assert all(torch.equal(batch[b], step[0]) for batch, step in zip(logits, single))
+    plain, plain_logits = run(prompts, native=False)
+    assert plain == together
+    for got, want in zip(logits, plain_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

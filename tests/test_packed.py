@@ -12,9 +12,9 @@ from ragblend import BlendConfig, BlendEngine, cpu
 from ragblend.models import packed as packing
 from ragblend.models.packed import (
     cpu_packs,
-    pack_one_row_linears,
+    pack_decode_linears,
     qkv_projections,
-    unpack_one_row_linears,
+    unpack_decode_linears,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -31,19 +31,19 @@ def test_one_row_inputs_equal_f_linear_bit_for_bit_and_other_inputs_go_to_f_line
         x5 = torch.randn(1, 5, in_f, dtype=torch.bfloat16)
         with torch.inference_mode():
             want1, want5 = layer(x1), layer(x5)
-            assert pack_one_row_linears(layer) == 1
+            assert pack_decode_linears(layer) == 1
             assert torch.equal(layer(x1), want1) and torch.equal(layer(x5), want5)
             assert torch.equal(layer(x1), F.linear(x1, layer.weight, layer.bias))
-        unpack_one_row_linears(layer)
+        unpack_decode_linears(layer)
         assert "forward" not in vars(layer)
 
 
 def test_only_bf16_cpu_linears_are_packed():
-    assert pack_one_row_linears(nn.Linear(4, 4)) == 0  # fp32
+    assert pack_decode_linears(nn.Linear(4, 4)) == 0  # fp32
     model = tiny_model("llama", dtype=torch.bfloat16)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    assert pack_one_row_linears(model) == linears
-    assert pack_one_row_linears(model) == 0  # already packed
+    assert pack_decode_linears(model) == linears
+    assert pack_decode_linears(model) == 0  # already packed
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,12 +57,12 @@ def test_fused_qkv_and_gate_up_equal_the_separate_linears_bit_for_bit(family):
     with torch.inference_mode():
         want_qkv = attn.q_proj(x1), attn.k_proj(x1), attn.v_proj(x1)
         want_mlp1, want_mlp5 = mlp(x1), mlp(x5)
-        pack_one_row_linears(model)
+        pack_decode_linears(model)
         assert packing._QKV in vars(attn) and "forward" in vars(mlp)  # the fused paths exist
         got_qkv = qkv_projections(attn, x1)
         assert all(torch.equal(g, w) for g, w in zip(got_qkv, want_qkv, strict=True))
         assert torch.equal(mlp(x1), want_mlp1) and torch.equal(mlp(x5), want_mlp5)
-        unpack_one_row_linears(model)
+        unpack_decode_linears(model)
         assert packing._QKV not in vars(attn) and "forward" not in vars(mlp)
         assert torch.equal(mlp(x1), want_mlp1)
 

@@ -80,7 +80,7 @@ BUILDS = {
     ),
     torch.float32: Build(
         "ragblend_native_f32",
-        ("rows_attention_f32.cpp", "rope_f32.cpp", "rms_norm_f32.cpp"),
+        ("rows_attention_f32.cpp", "rope_f32.cpp", "rms_norm_f32.cpp", "decode_attention_f32.cpp"),
         "avx2",
         # at::vec's 8-lane AVX2 code; no FMA contraction: the RoPE's products round as HF's
         (
@@ -104,17 +104,34 @@ RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, fl
 RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # x [..., D] contiguous, weight [D], eps -> a new tensor like x
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+# q [1, H, B, d], k_new, v_new [1, Hkv, B, d], keys[b], values[b] [1, Hkv, capacity, d]
+# (written at positions[b]), positions [B], window (0: none), scale -> [1, B, H*d]
+DecodeKernel = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        list[torch.Tensor],
+        list[torch.Tensor],
+        list[int],
+        int,
+        float,
+    ],
+    torch.Tensor,
+]
 
 
 class NativeKernels(NamedTuple):
-    """The compiled kernels for one ``dtype``: selected-row attention, in-place RoPE and
+    """The compiled kernels for one ``dtype``: selected-row attention, in-place RoPE,
     Llama's RMSNorm (``None`` where there is none for the dtype, or it does not match this
-    torch's bit for bit, see ``_rms_norm_if_exact``)."""
+    torch's bit for bit, see ``_rms_norm_if_exact``) and a decode step's attention for a
+    batch of requests (fp32 only)."""
 
     attend_rows: RowKernel
     rope_: RopeKernel
     rms_norm: NormKernel | None = None
     dtype: torch.dtype = torch.bfloat16
+    decode_attend: DecodeKernel | None = None
 
 
 def check_row_attention(choice: str) -> str:
@@ -184,9 +201,12 @@ def _compiled(dtype: torch.dtype) -> NativeKernels:
     ops = getattr(torch.ops, build.name)
     if dtype == torch.float32:
         _check_f32(ops.attend_rows, ops.rope_)
+        _check_decode(ops.decode_attend)
     elif not ops.supported():
         raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
-    return NativeKernels(ops.attend_rows, ops.rope_, _rms_norm_if_exact(ops.rms_norm, dtype), dtype)
+    norm = _rms_norm_if_exact(ops.rms_norm, dtype)
+    decode = ops.decode_attend if dtype == torch.float32 else None
+    return NativeKernels(ops.attend_rows, ops.rope_, norm, dtype, decode)
 
 
 def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
@@ -211,6 +231,37 @@ def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
     got = attend(q, k, v, positions, 0.2)
     if not torch.allclose(got, ref.transpose(1, 2).reshape(1, 70, -1), atol=1e-5, rtol=1e-4):
         raise RagblendError("the native fp32 row attention does not match SDPA's")
+
+
+def _check_decode(attend: DecodeKernel) -> None:
+    """RagblendError unless the decode attention writes each request's new K/V at its
+    position and gives SDPA's attention over its keys (a window on, GQA, two requests of
+    different lengths, one over several key blocks) to fp32 rounding."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 2, 32, generator=gen)
+    k_new, v_new = torch.randn(2, 1, 2, 2, 32, generator=gen)
+    keys = [torch.randn(1, 2, n, 32, generator=gen) for n in (1200, 40)]
+    values = [torch.randn(1, 2, n, 32, generator=gen) for n in (1200, 40)]
+    positions, window = [1100, 30], 1000
+    want = []
+    for b, p in enumerate(positions):
+        k, v = keys[b].clone(), values[b].clone()
+        k[:, :, p], v[:, :, p] = k_new[:, :, b], v_new[:, :, b]
+        lo = max(0, p - window + 1)
+        want.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, b : b + 1],
+                k[:, :, lo : p + 1],
+                v[:, :, lo : p + 1],
+                scale=0.2,
+                enable_gqa=True,
+            )
+        )
+    got = attend(q, k_new, v_new, keys, values, positions, window, 0.2)
+    ref = torch.cat(want, dim=2).transpose(1, 2).reshape(1, 2, -1)
+    written = all(torch.equal(keys[b][:, :, p], k_new[:, :, b]) for b, p in enumerate(positions))
+    if not written or not torch.allclose(got, ref, atol=1e-5, rtol=1e-4):
+        raise RagblendError("the native fp32 decode attention does not match SDPA's")
 
 
 def _rms_norm_if_exact(

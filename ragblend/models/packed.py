@@ -1,26 +1,34 @@
-"""One-row bf16 linears through oneDNN's prepacked weights: decoding on CPU.
+"""Decode-step linears through oneDNN's prepacked weights, on CPU.
 
-A decode step multiplies one row by every weight matrix. In bf16 on CPU, ``F.linear`` reads
-those weights at 7–25 GB/s on the benchmark machine; the same oneDNN primitive with the weight
-reordered once for a batch of one (what inductor's weight prepacking does) reads them at
-9–50 GB/s, and gave bit-identical outputs in every shape measured (SmolLM2's seven projections
-and its 49k-row LM head). So the linears of a bf16 CPU model send one-row inputs there and
-everything else to ``F.linear`` as before. Linears that read the same input are fused for one
-row — an attention's q/k/v, an MLP's gate/up — into one GEMM over their stacked weights: each
-output column is the same dot product, so the values stay identical, and a step makes three
-calls fewer per layer (≈7 % faster decoding at 3.2k tokens). The reordered weights are a
-second copy of the linear weights, made when an engine first decodes
-(``BlendConfig(packed_decode=False)`` keeps memory at one copy).
+A decode step multiplies a few rows (one per running request) by every weight matrix. On
+CPU, ``F.linear`` reads the weights slowly for so few rows — for 2–16 rows in fp32 it even
+re-packs them on every call; the same oneDNN primitive with the weight reordered once for
+a small batch (what inductor's weight prepacking does) reads them up to 4× faster:
 
-oneDNN reorders bf16 weights only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
-(:func:`ragblend.cpu.onednn_packs_bf16`); elsewhere, or if the reorder fails anyway, the
-model keeps ``F.linear`` and one log line says why.
+- **bf16**, one-row inputs, weights reordered for a batch of one: bit-identical outputs to
+  ``F.linear`` in every shape measured (SmolLM2's seven projections and its 49k-row LM head).
+  oneDNN reorders bf16 weights only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
+  (:func:`ragblend.cpu.onednn_packs_bf16`).
+- **fp32**, inputs of up to 16 rows, weights reordered for a batch of 16: the same values as
+  ``F.linear`` to fp32 rounding (another summation order), and each row's output the same
+  whatever the number of rows beside it — so a request decoded in a batch gets what it gets
+  alone. Any CPU oneDNN runs on.
+
+Linears that read the same input are fused — an attention's q/k/v, an MLP's gate/up — into
+one GEMM over their stacked weights (three calls fewer per layer and step). Everything else
+(prefill, more rows) goes to ``F.linear`` as before, so prefills are untouched.
+
+The reordered weights are a second copy of the linear weights, made when an engine first
+decodes, and only where it fits: at most half the memory the system has available then
+(so a 7B model on a 24 GiB machine keeps one copy). ``BlendConfig(packed_decode=False)``
+never makes it. Where packing does not apply, one log line per model says why.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import torch
@@ -33,11 +41,21 @@ log = logging.getLogger(__name__)
 
 _ATTR = "_ragblend_packed"
 _TRIED = "_ragblend_pack_tried"  # on a model: packing was attempted (and logged) once
-_QKV = "_ragblend_packed_qkv"  # on an attention module: one-row x → (q, k, v)
+_QKV = "_ragblend_packed_qkv"  # on an attention module: a decode step's x → (q, k, v)
 _QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 _GATE_UP_NAMES = ("gate_proj", "up_proj")
 
 Fused = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    rows: int  # inputs of at most this many rows go to the prepacked weights
+    hint: int  # the batch size oneDNN reorders the weights for
+
+
+_PLANS = {torch.bfloat16: _Plan(rows=1, hint=1), torch.float32: _Plan(rows=16, hint=16)}
+DECODE_ROWS = _PLANS[torch.float32].rows  # the most requests one fp32 decode step packs for
 
 
 def available() -> bool:
@@ -47,42 +65,73 @@ def available() -> bool:
     )
 
 
-def cpu_packs() -> bool:
-    """Whether oneDNN can prepack bf16 weights here: a oneDNN build and a CPU level it packs
-    at (see :func:`ragblend.cpu.onednn_packs_bf16`)."""
-    return available() and cpu.onednn_packs_bf16()
+def cpu_packs(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether oneDNN can prepack ``dtype`` weights here: a oneDNN build and, for bf16, a CPU
+    level it packs at (see :func:`ragblend.cpu.onednn_packs_bf16`)."""
+    if dtype not in _PLANS or not available():
+        return False
+    return dtype == torch.float32 or cpu.onednn_packs_bf16()
 
 
-def pack_one_row_linears(model: nn.Module) -> int:
-    """Route one-row inputs of every bf16 CPU ``nn.Linear`` of ``model`` through a prepacked
-    weight — q/k/v and gate/up fused, the others one by one; returns how many linears were
-    newly packed (0 where it does not apply, and once ``model`` is packed: then this returns
-    at once). Where oneDNN cannot pack (:func:`cpu_packs`, or a reorder that raises), nothing
-    is packed and one log line per model says why.
+def available_memory() -> int | None:
+    """Bytes the system can still give this process without swapping (Linux's MemAvailable),
+    or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pack_decode_linears(model: nn.Module) -> int:
+    """Route decode-step inputs (bf16: one row; fp32: up to :data:`DECODE_ROWS` rows) of every
+    bf16 or fp32 CPU ``nn.Linear`` of ``model`` through a prepacked weight — q/k/v and
+    gate/up fused, the others one by one; returns how many linears were newly packed (0 where
+    it does not apply, and once ``model`` is packed or tried: then this returns at once). Where
+    oneDNN cannot pack (:func:`cpu_packs`, or a reorder that raises) or the second copy would
+    take more than half the available memory, nothing is packed and one log line per model
+    says why.
 
     Fused linears get no prepacked copy of their own (that would be a third copy of their
-    weights): their one-row path is :func:`qkv_projections` and the MLP's ``forward``, which
+    weights): their decode-step path is :func:`qkv_projections` and the MLP's ``forward``, which
     the layer-wise decoder uses; HF's own forward (decoding over a sliding-window cache) runs
     q/k/v unpacked.
     """
     if getattr(model, _ATTR, False) or getattr(model, _TRIED, False):
         return 0
-    if not any(_packable(m) for m in model.modules()):
+    linears = [m for m in model.modules() if _packable(m)]
+    if not linears:
         return 0
     setattr(model, _TRIED, True)
-    if not cpu_packs():
+    dtype = linears[0].weight.dtype
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if not cpu_packs(dtype):
         log.info(
             "decoding without prepacked bf16 weights: oneDNN packs them with AVX512 or "
             "AVX-NE-CONVERT, and this CPU is at level %s",
             cpu.cpu_isa(),
         )
         return 0
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    free = available_memory()
+    if free is not None and 2 * copy > free:
+        log.info(
+            "decoding without prepacked %s weights: their copy (%.1f GiB) would take more "
+            "than half the available memory (%.1f GiB)",
+            name,
+            copy / 2**30,
+            free / 2**30,
+        )
+        return 0
     try:
         return _pack(model)
     except RuntimeError as exc:  # oneDNN's own check of the CPU, should ours be wrong
-        unpack_one_row_linears(model)
+        unpack_decode_linears(model)
         setattr(model, _TRIED, True)
-        log.warning("decoding without prepacked bf16 weights: oneDNN could not pack (%s)", exc)
+        log.warning("decoding without prepacked %s weights: oneDNN could not pack (%s)", name, exc)
         return 0
 
 
@@ -96,22 +145,22 @@ def _pack(model: nn.Module) -> int:
         gated = callable(getattr(module, "act_fn", None))
         gate_up = _fused(module, _GATE_UP_NAMES) if gated else None
         if gate_up is not None:
-            module.forward = _one_row_mlp(module, gate_up)
+            module.forward = _decode_mlp(module, gate_up)
             setattr(module, _ATTR, True)
             fused.update(id(getattr(module, name)) for name in _GATE_UP_NAMES)
     packed = len(fused)
     for module in model.modules():
         if not _packable(module) or id(module) in fused or getattr(module, _ATTR, False):
             continue
-        module.forward = _one_row_forward(module)  # type: ignore[method-assign,assignment]
+        module.forward = _decode_forward(module)  # type: ignore[method-assign,assignment]
         setattr(module, _ATTR, True)
         packed += 1
     setattr(model, _ATTR, True)
     return packed
 
 
-def unpack_one_row_linears(model: nn.Module) -> None:
-    """Undo :func:`pack_one_row_linears` (the classes' own ``forward`` again)."""
+def unpack_decode_linears(model: nn.Module) -> None:
+    """Undo :func:`pack_decode_linears` (the classes' own ``forward`` again)."""
     vars(model).pop(_TRIED, None)
     for module in model.modules():
         vars(module).pop(_QKV, None)
@@ -122,9 +171,9 @@ def unpack_one_row_linears(model: nn.Module) -> None:
 
 def qkv_projections(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)``: one fused GEMM for a packed
-    model's one-row bf16 input, the three modules otherwise (the same values either way)."""
+    model's decode-step input, the three modules otherwise."""
     fused: Fused | None = vars(attn).get(_QKV)
-    if fused is not None and _one_row(x):
+    if fused is not None and _decode_rows(x):
         return fused(x)
     mods: Any = attn
     return mods.q_proj(x), mods.k_proj(x), mods.v_proj(x)
@@ -133,22 +182,25 @@ def qkv_projections(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...
 def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
     return (
         isinstance(module, nn.Linear)
-        and module.weight.dtype == torch.bfloat16
+        and module.weight.dtype in _PLANS
         and module.weight.device.type == "cpu"
     )
 
 
-def _one_row(x: torch.Tensor) -> bool:
-    return x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and not x.requires_grad
+def _decode_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a decode step's input: rows the prepacked weights take, no grad."""
+    plan = _PLANS.get(x.dtype)
+    return plan is not None and x.numel() <= plan.rows * x.shape[-1] and not x.requires_grad
 
 
 def _prepacked(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``F.linear(x, weight, bias)`` for one-row ``x``, on ``weight`` reordered once by oneDNN
-    for a batch of one."""
+    """``F.linear(x, weight, bias)`` for a decode step's ``x``, on ``weight`` reordered once
+    by oneDNN for the dtype's batch size."""
+    hint = _PLANS[weight.dtype].hint
     with torch.no_grad():
-        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), hint)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
@@ -156,12 +208,12 @@ def _prepacked(
     return linear
 
 
-def _one_row_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _decode_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     weight, bias = module.weight, module.bias
     packed = _prepacked(weight, bias)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return packed(x) if _one_row(x) else F.linear(x, weight, bias)
+        return packed(x) if _decode_rows(x) else F.linear(x, weight, bias)
 
     return forward
 
@@ -188,13 +240,13 @@ def _fused(module: nn.Module, names: Sequence[str]) -> Fused | None:
     return forward
 
 
-def _one_row_mlp(mlp: nn.Module, gate_up: Fused) -> Callable[[torch.Tensor], torch.Tensor]:
-    """HF's gated MLP, ``down(act(gate(x)) * up(x))``, with gate/up fused for one row."""
+def _decode_mlp(mlp: nn.Module, gate_up: Fused) -> Callable[[torch.Tensor], torch.Tensor]:
+    """HF's gated MLP, ``down(act(gate(x)) * up(x))``, with gate/up fused for a decode step."""
     mods: Any = mlp
     own = type(mlp).forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _one_row(x):
+        if not _decode_rows(x):
             return own(mlp, x)
         gate, up = gate_up(x)
         return mods.down_proj(mods.act_fn(gate) * up)

@@ -197,7 +197,8 @@ class Scheduler:
             if job.max_tokens > 1:
                 total = len(job.prompt_ids) + job.max_tokens
                 layers = self.engine.layers
-                r.decoder = LayerDecoder.for_cache(layers, pre.cache, len(pre.prompt_ids), total)
+                n, kernels = len(pre.prompt_ids), self.engine.native
+                r.decoder = LayerDecoder.for_cache(layers, pre.cache, n, total, kernels)
                 if r.decoder is None:
                     r.advance = decode_step(self.engine.model, None, pre, total)
         except RagblendError as exc:

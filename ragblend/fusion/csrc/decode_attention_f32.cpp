@@ -1,0 +1,222 @@
+// One decode step's attention for a batch of requests, each over its own K/V buffer.
+//
+// CPU, float32, AVX2 + FMA (at::vec's 8-lane code). Each request b feeds one new token at
+// position p_b: its key and value are written into the request's buffers at p_b, then each
+// query head attends keys [lo_b, p_b] (lo_b > 0 on a sliding-window layer). Torch would take,
+// per request, two copies and one SDPA call whose flash kernel reads K/V at about half the
+// memory bandwidth for a single query row; here the whole batch is one call, the query heads
+// that share a KV head read its keys and values together, and long contexts are cut into
+// fixed blocks of keys (flash-decoding) so that even one request keeps every thread busy.
+//
+// The block boundaries depend only on the request's own positions, and the blocks are merged
+// in order, so a request's output is the same whatever the batch and the thread count: a
+// request decoded in a batch gets exactly what it gets alone.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+constexpr int64_t kKeyBlock = 512;  // keys per task: K and V of one KV head stay in L2
+
+struct Block {
+  int64_t request, head, begin, end;  // KV head `head` of `request`, keys [begin, end)
+};
+
+// Eight dot products with one query row, summed across lanes together: [q . k_0, ..., q . k_7].
+inline Vec dot8(const float* q, const float* k, int64_t key_stride, int64_t dim) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + j * key_stride + d), acc[j]);
+  }
+  // a transposing reduction: lane j of the result is the sum of acc[j]'s lanes
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return Vec(_mm256_add_ps(lo, hi));
+}
+
+// Scores of `rows` query rows (q, q + q_stride, ...) with keys [begin, end):
+// s[r * width + t - begin] = scale * q_r . k_t.
+void scores(const float* q, int64_t q_stride, int64_t rows, const float* keys,
+            int64_t key_stride, int64_t begin, int64_t end, int64_t dim, float scale, float* s,
+            int64_t width) {
+  const Vec vscale(scale);
+  int64_t t = begin;
+  for (; t + 8 <= end; t += 8)
+    for (int64_t r = 0; r < rows; ++r)
+      (dot8(q + r * q_stride, keys + t * key_stride, key_stride, dim) * vscale)
+          .store(s + r * width + t - begin);
+  for (; t < end; ++t) {
+    const float* k = keys + t * key_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      Vec acc(0.0f);
+      for (int64_t d = 0; d < dim; d += Vec::size())
+        acc = at::vec::fmadd(Vec::loadu(q + r * q_stride + d), Vec::loadu(k + d), acc);
+      s[r * width + t - begin] =
+          scale * at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+    }
+  }
+}
+
+// exp(s - max) in place over n scores; returns (max, sum of the exps).
+std::pair<float, float> exponentiate(float* s, int64_t n) {
+  const float max = at::vec::reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+  const Vec shift(-max);
+  int64_t j = 0;
+  Vec acc(0.0f);
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(s + j) + shift).exp_u20();
+    acc = acc + e;
+    e.store(s + j);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - max);
+    sum += s[j];
+  }
+  return {max, sum};
+}
+
+// The query heads of one KV head over one block of its keys: per row r, its max and sum of
+// exps, and out[r] = sum_t exp(s_rt - max_r) v_t (unnormalised). s: rows x kKeyBlock scratch.
+void attend_block(const float* q, int64_t q_stride, int64_t rows, const float* keys,
+                  const float* values, int64_t key_stride, int64_t value_stride, int64_t begin,
+                  int64_t end, int64_t dim, float scale, float* s, float* maxes, float* sums,
+                  float* out) {
+  const int64_t n = end - begin;
+  scores(q, q_stride, rows, keys, key_stride, begin, end, dim, scale, s, kKeyBlock);
+  for (int64_t r = 0; r < rows; ++r)
+    std::tie(maxes[r], sums[r]) = exponentiate(s + r * kKeyBlock, n);
+  std::fill(out, out + rows * dim, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {  // each value row read once for all query rows
+    const float* v = values + (begin + t) * value_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const Vec p(s[r * kKeyBlock + t]);
+      float* o = out + r * dim;
+      for (int64_t d = 0; d < dim; d += Vec::size())
+        at::vec::fmadd(p, Vec::loadu(v + d), Vec::loadu(o + d)).store(o + d);
+    }
+  }
+}
+
+// q [1, H, B, d]; k_new, v_new [1, Hkv, B, d]; keys[b], values[b] [1, Hkv, capacity, d]
+// (d contiguous), written at positions[b]; window 0 for none -> [1, B, H * d]
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                         at::TensorList keys, at::TensorList values, at::IntArrayRef positions,
+                         int64_t window, double scale) {
+  const int64_t batch = q.size(2), heads = q.size(1), dim = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.scalar_type() == at::kFloat &&
+                  q.stride(3) == 1, "decode_attend: expects float32 q [1, H, B, d]");
+  TORCH_CHECK(dim % 8 == 0, "decode_attend: the head dim must be a multiple of 8");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == batch &&
+                  static_cast<int64_t>(values.size()) == batch &&
+                  static_cast<int64_t>(positions.size()) == batch,
+              "decode_attend: one K buffer, V buffer and position per request");
+  const int64_t kv_heads = k_new.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "decode_attend: query heads must be a multiple of KV heads");
+  for (const at::Tensor* t : {&k_new, &v_new})
+    TORCH_CHECK(t->dim() == 4 && t->size(1) == kv_heads && t->size(2) == batch &&
+                    t->size(3) == dim && t->stride(3) == 1 && t->scalar_type() == at::kFloat,
+                "decode_attend: expects float32 k_new, v_new [1, Hkv, B, d]");
+  for (int64_t b = 0; b < batch; ++b) {
+    for (const at::Tensor* t : {&keys[b], &values[b]})
+      TORCH_CHECK(t->dim() == 4 && t->size(1) == kv_heads && t->size(3) == dim &&
+                      t->stride(3) == 1 && t->scalar_type() == at::kFloat,
+                  "decode_attend: expects float32 buffers [1, Hkv, capacity, d]");
+    TORCH_CHECK(positions[b] >= 0 && positions[b] < keys[b].size(2) &&
+                    positions[b] < values[b].size(2),
+                "decode_attend: position ", positions[b], " outside the buffer");
+  }
+  const int64_t groups = heads / kv_heads;
+  const float fscale = static_cast<float>(scale);
+
+  std::vector<Block> blocks;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t p = positions[b];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = lo; t <= p; t += kKeyBlock)
+        blocks.push_back({b, h, t, std::min(t + kKeyBlock, p + 1)});
+      for (const at::Tensor* src : {&k_new, &v_new}) {  // the new token's K/V at p
+        const at::Tensor& dst = src == &k_new ? keys[b] : values[b];
+        const float* from = src->const_data_ptr<float>() + h * src->stride(1) + b * src->stride(2);
+        float* to = dst.data_ptr<float>() + h * dst.stride(1) + p * dst.stride(2);
+        std::copy(from, from + dim, to);
+      }
+    }
+  }
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  // per block and query head of its group: max, sum of exps, unnormalised output
+  std::vector<float> maxes(count * groups), sums(count * groups);
+  at::Tensor partial = at::empty({count * groups, dim}, at::kFloat);
+  float* pd = partial.data_ptr<float>();
+  const float* qd = q.const_data_ptr<float>();
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> s(groups * kKeyBlock);
+    for (int64_t i = first; i < last; ++i) {
+      const Block& blk = blocks[i];
+      const at::Tensor& k = keys[blk.request];
+      const at::Tensor& v = values[blk.request];
+      const float* qrows = qd + blk.head * groups * q.stride(1) + blk.request * q.stride(2);
+      attend_block(qrows, q.stride(1), groups, k.const_data_ptr<float>() + blk.head * k.stride(1),
+                   v.const_data_ptr<float>() + blk.head * v.stride(1), k.stride(2), v.stride(2),
+                   blk.begin, blk.end, dim, fscale, s.data(), maxes.data() + i * groups,
+                   sums.data() + i * groups, pd + i * groups * dim);
+    }
+  });
+
+  at::Tensor out = at::empty({1, batch, heads * dim}, at::kFloat);
+  float* od = out.data_ptr<float>();
+  // merge each (request, KV head)'s consecutive blocks in order
+  for (int64_t i = 0; i < count;) {
+    int64_t j = i;
+    while (j < count && blocks[j].request == blocks[i].request && blocks[j].head == blocks[i].head)
+      ++j;
+    for (int64_t g = 0; g < groups; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t x = i; x < j; ++x) top = std::max(top, maxes[x * groups + g]);
+      float total = 0.0f;
+      float* dst = od + blocks[i].request * heads * dim + (blocks[i].head * groups + g) * dim;
+      std::fill(dst, dst + dim, 0.0f);
+      for (int64_t x = i; x < j; ++x) {
+        const float w = std::exp(maxes[x * groups + g] - top);
+        total += w * sums[x * groups + g];
+        const float* src = pd + (x * groups + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) dst[d] /= total;
+    }
+    i = j;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ragblend_native_f32, m) {
+  m.def(
+      "decode_attend(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!)[] keys, Tensor(b!)[] "
+      "values, int[] positions, int window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ragblend_native_f32, CPU, m) { m.impl("decode_attend", &decode_attend); }
