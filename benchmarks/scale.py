@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -118,16 +116,36 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_model(shape: str, dtype):
-    """A random-initialised causal LM of ``shape``, created directly in ``dtype``."""
+def build_model(shape: str, dtype, device: str = "cpu"):
+    """A random-initialised causal LM of ``shape``, created directly in ``dtype`` (on the
+    ``meta`` device: its shapes only)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     family, kwargs = SHAPES[shape]
     config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[family]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_class(**kwargs), dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config_class(**kwargs), dtype=dtype)
     return model.eval()
+
+
+def does_not_fit(shape: str, dtype_name: str) -> str | None:
+    """Why ``shape``'s weights in that dtype cannot run here (over 80 % of the memory
+    available now: the KV, activations and the process need the rest), or None."""
+    from ragblend.models.dtype import resolve_dtype
+    from ragblend.models.packed import available_memory
+
+    dtype = resolve_dtype(dtype_name)
+    model = build_model(shape, dtype, device="meta")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_memory()
+    if free is None or weights <= 0.8 * free:
+        return None
+    return (
+        f"{weights / 2**30:.1f} GiB of {str(dtype).removeprefix('torch.')} weights do not fit "
+        f"in the {free / 2**30:.1f} GiB available"
+    )
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -162,9 +180,8 @@ def measure(args: argparse.Namespace) -> dict:
         ratios.append(full_ms[-1] / blend_ms[-1])
         engine._prepare_decode()
         t0 = time.perf_counter()
-        tokens = decode_tokens(
-            model, blend, SamplingParams(), args.decode_tokens + 1, set(), engine.layers
-        )
+        greedy, steps = SamplingParams(), args.decode_tokens + 1
+        tokens = decode_tokens(model, blend, greedy, steps, set(), engine.layers, engine.native)
         count = sum(1 for _ in tokens) - 1  # the first token comes from the prefill
         rates.append(count / (time.perf_counter() - t0))
     return {
@@ -180,16 +197,6 @@ def measure(args: argparse.Namespace) -> dict:
         "n": len(cases),
         "recomputed_fraction": blend.stats.recomputed_fraction,
     }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:
@@ -215,6 +222,8 @@ def main() -> None:
         parser.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
     import torch
 
+    from ragblend.cpu import describe
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {
@@ -226,12 +235,16 @@ def main() -> None:
             "top_k": 6,
             "chunk_tokens": 512,
             "torch_threads": torch.get_num_threads(),
-            "cpu_model": cpu_model(),
-            "cpu_isa": os.environ.get("RAGBLEND_CPU_ISA", "native"),
+            **describe(),
         },
         "shapes": {},
     }
     for shape in shapes:
+        reason = does_not_fit(shape, args.dtype)
+        if reason is not None:
+            results["shapes"][shape] = {"skipped": reason}
+            print(shape, "skipped:", reason, flush=True)
+            continue
         with tempfile.NamedTemporaryFile(suffix=".json") as result:
             cmd = [sys.executable, __file__, "--worker", shape, "--result", result.name]
             for flag in ("questions", "repeats", "decode_tokens", "dtype", "dataset"):

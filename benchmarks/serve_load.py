@@ -223,7 +223,9 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(timeout=60)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    out = {"settings": {**settings, "server": model}, **results}
+    from ragblend.cpu import describe
+
+    out = {"settings": {**settings, "server": model, **describe()}, **results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in out.items() if k != "settings"}, indent=2)[:3000])

@@ -49,16 +49,19 @@ class BlendConfig:
         ``"prefix"`` (the prompt head: template + system prompt), ``"canonical"`` (the chat
         template's head with a fixed neutral system prompt: hits under any template),
         ``"filler"``, ``"bos"`` or ``"none"``.
-    packed_decode: for a bf16 model on CPU, one-row linears (every decode step) run on oneDNN
-        weights prepacked for one row (``ragblend.models.packed``): faster decoding, identical
-        outputs, a second copy of the linear weights in memory from the first decode on (an
-        engine that only precomputes never makes it). ``False``: one copy.
+    packed_decode: on CPU, decode steps' linears run on oneDNN weights prepacked once
+        (``ragblend.models.packed``): bf16 one-row inputs (identical outputs; CPUs at the
+        ``avx512`` level or with AVX-NE-CONVERT) and fp32 inputs of up to 16 rows (a batched
+        step; fp32 rounding, each row the same in any batch). Faster decoding, a second copy of
+        the linear weights from the first decode on, made only where it fits in half the
+        available memory (an engine that only precomputes never makes it). ``False``: one copy.
     row_attention: how blend's selected rows attend: ``"auto"`` (ragblend's native kernels
-        where they run — bf16 on CPUs with AMX-BF16, compiled on first use — else SDPA in
-        masked blocks; a capable CPU that cannot build them logs a warning), ``"native"``
-        (an error where they cannot run) or ``"sdpa"``. Same attention either way, to bf16
-        rounding; the native path also runs the fusor's RoPE and Llama-family RMSNorms in one
-        pass each (HF's values bit for bit). See ``ragblend.fusion.native``.
+        where they run — fp32 on CPUs with AVX2 + FMA, bf16 on CPUs with AMX-BF16, compiled on
+        first use — else SDPA in masked blocks; a capable CPU that cannot build them logs a
+        warning), ``"native"`` (an error where they cannot run) or ``"sdpa"``. Same attention
+        either way, to rounding; the native path also runs RoPE and Llama-family RMSNorms in
+        one pass each (HF's values bit for bit), and, in fp32, decode steps' attention for all
+        running requests in one call. See ``ragblend.fusion.native``.
     """
 
     ratio: float | Literal["auto"] = 0.15

@@ -231,6 +231,21 @@ def test_chunks_another_engine_warmed_into_the_disk_store_hit(model, tokenizer, 
     assert reply.model_extra["ragblend"]["chunk_hits"] == 3
 
 
+def test_chunks_found_but_missed_are_precomputed_again_between_steps(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    with ServerThread(create_app(engine)) as url:
+        warm(url, CHUNKS)
+        engine.store.clear()  # the KV evicted; the texts are still known
+        chat = client(url).chat.completions.create
+        first = chat(model=MODEL, messages=rag_messages(), max_tokens=2).model_extra["ragblend"]
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health").json()["rewarming"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        again = chat(model=MODEL, messages=rag_messages(), max_tokens=2).model_extra["ragblend"]
+    assert first["chunk_misses"] == 3 and first["mode"] == "full"
+    assert again["chunk_hits"] == 3 and again["mode"] == "blend"
+
+
 def test_two_servers_on_one_redis_tier_share_warmed_chunks(model, tokenizer, redis_server):
     engines = [
         make_engine(model, tokenizer, store=open_store(None, redis_server.url, "t26"))

@@ -12,7 +12,9 @@ values bit for bit. That build is for bf16 on CPUs at the ``amx`` level (:mod:`r
 A second build, for fp32 on any CPU at the ``avx2`` level or above, has the same selected-row
 attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``), the same one-pass RoPE
 and RMSNorm (``csrc/rope_f32.cpp``, ``csrc/rms_norm_f32.cpp``), HF's fp32 values bit for bit
-(both norms sum in torch's order, ``csrc/torch_sum_order.h``). Elsewhere (fp16, CUDA, a
+(both norms sum in torch's order, ``csrc/torch_sum_order.h``), and a decode step's attention
+for a batch of requests, each over its own K/V buffer (``csrc/decode_attention_f32.cpp``: the
+layer-wise decoder's one call per layer instead of SDPA per request). Elsewhere (fp16, CUDA, a
 sliding window, a CPU below the build's level) the SDPA blocks and HF's modules run.
 
 ``row_attention="auto"`` (the default) uses the kernels where they apply and warns once when a

@@ -56,6 +56,7 @@ def create_app(
     names = model_names or (engine.name,)
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, max_running, max_queue, metrics)
+    engine.on_miss = scheduler.rewarm  # a chunk found but missed is precomputed again
     jobs = JobBuilder(engine, tuple(names), default_max_tokens)
     started = int(time.time())
 
@@ -108,7 +109,12 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
+        return {
+            "status": "ok",
+            "running": scheduler.running,
+            "waiting": scheduler.waiting,
+            "rewarming": scheduler.rewarming,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -4,7 +4,8 @@ Like llama.cpp's server, a fixed number of *slots* run at once. One thread does 
 computation of the server (one OpenMP team, see ``ragblend.threads``), in a loop of steps:
 
 1. requests whose client went away are dropped (their slot and K/V buffer are freed);
-2. one queued call runs (e.g. precomputing one chunk for ``POST /v1/ragblend/chunks``);
+2. one queued call runs (e.g. precomputing one chunk for ``POST /v1/ragblend/chunks``, or
+   one that a prefill missed: :meth:`Scheduler.rewarm`);
 3. one waiting request is admitted into a free slot: its prefill (blend makes it short) runs
    and its first token is sent;
 4. every running request decodes one token, all as one batch
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -82,6 +84,7 @@ class Scheduler:
             collections.deque()
         )
         self._running: list[_Running] = []
+        self._rewarming: set[str] = set()  # chunk texts queued by rewarm, until precomputed
         self._stopping = False
         self.largest_batch = 0  # the most requests one decode step has run together
         self._thread = threading.Thread(target=self._loop, name="ragblend-scheduler", daemon=True)
@@ -111,6 +114,11 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def rewarming(self) -> int:
+        """Chunk texts queued by :meth:`rewarm` and not yet precomputed."""
+        return len(self._rewarming)
+
     def submit(self, job: GenerationJob, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         """Queue ``job``; raises QueueFull when the waiting queue is full."""
         handle = RequestHandle(loop)
@@ -136,6 +144,20 @@ class Scheduler:
             self._calls.append((fn, future))
             self._cond.notify()
         return future
+
+    def rewarm(self, texts: list[str]) -> None:
+        """Queue a precompute of each chunk text a prefill found but missed in the store (its
+        KV evicted, expired or lost), one per step, so later requests hit it; a text already
+        queued is not queued twice. The engine's ``on_miss`` hook in a server."""
+        for text in texts:
+            if text in self._rewarming:
+                continue
+            try:
+                future = self.call(functools.partial(self.engine.precompute, [text]))
+            except QueueFull:  # shutting down
+                return
+            self._rewarming.add(text)
+            future.add_done_callback(lambda _f, t=text: self._rewarming.discard(t))
 
     # ------------------------------------------------------------------ the compute thread
     def _loop(self) -> None:
