@@ -157,7 +157,10 @@ class Scheduler:
             except QueueFull:  # shutting down
                 return
             self._rewarming.add(text)
-            future.add_done_callback(lambda _f, t=text: self._rewarming.discard(t))
+            future.add_done_callback(functools.partial(self._rewarmed, text))
+
+    def _rewarmed(self, text: str, _future: concurrent.futures.Future) -> None:
+        self._rewarming.discard(text)
 
     # ------------------------------------------------------------------ the compute thread
     def _loop(self) -> None:
