@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_convert_rss.py [--shape mistral-7b] --out DIR
 
-Writes a GGUF file of the shape (the layers of ``benchmarks/scale.py``'s config, the embedded
+Writes a GGUF file of the shape (the layers of its config in ``ragblend.bench.shapes``, the embedded
 model's tokenizer and so its vocabulary; F16 weights, F32 norms, as llama.cpp writes them)
 tensor by tensor into a temporary directory — never the whole model in memory — then converts
 it with ragblend's converter (``ragblend.models.gguf.convert_gguf``) in a child process and
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from scale import SHAPES  # noqa: E402 (the benchmark's own shape table)
+from ragblend.bench.shapes import SHAPES
 
 GIB = 1 << 30
 FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # llama.cpp's names
@@ -69,7 +68,7 @@ def write_gguf(shape: str, path: Path) -> int:
 
     from ragblend.models.loading import embedded_gguf_path
 
-    family, config = SHAPES[shape]
+    family, config = SHAPES[shape]["family"], SHAPES[shape]
     reader = gguf.GGUFReader(embedded_gguf_path())
     fields = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer")}
     config = {**config, "vocab_size": len(fields["tokenizer.ggml.tokens"])}

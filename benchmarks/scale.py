@@ -3,12 +3,13 @@
     python benchmarks/scale.py --shapes qwen2.5-0.5b,qwen2.5-1.5b,llama-3.2-3b,mistral-7b \\
         [--questions N] [--dtype auto] --out DIR
 
-Each shape is a random-initialised model of that architecture's real config (written below; no
-weights are downloaded), run in a process of its own so its peak RSS is its own. Per question:
-6 MuSiQue dev chunks of ≤512 tokens (the embedded tokenizer's ids, valid in every vocabulary)
-are precomputed, then full and blend prefill are timed back to back (``--repeats`` each, the
-median kept), and decoding is timed for ``--decode-tokens`` tokens after the blend prefill (EOS
-ignored). Random weights give true compute timings, not answers. Writes ``DIR/scale.json``:
+Each shape is a random-initialised model of that architecture's real config
+(``ragblend.bench.shapes``; no weights are downloaded), run in a process of its own so its peak
+RSS is its own. Per question: 6 MuSiQue dev chunks of ≤512 tokens (the embedded tokenizer's ids;
+a smaller vocabulary is widened to the tokenizer's) are precomputed, then full and blend
+prefill are timed back to back (``--repeats`` each, the median kept), and decoding is timed for
+``--decode-tokens`` tokens after the blend prefill (EOS ignored). Random weights give true
+compute timings, not answers. Writes ``DIR/scale.json``:
 ``{"settings": {...}, "shapes": {shape: {"params", "dtype", "weights_bytes", "kv_bytes",
 "ttft_full_ms", "ttft_blend_ms", "speedup", "decode_tok_s", "peak_rss_bytes"}}}``.
 """
@@ -25,109 +26,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragblend.bench.shapes import SHAPES
+from ragblend.bench.shapes import build_model as build_shape
+
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
 
-# The architectures' own config.json values (HF hub), as config-class keyword arguments.
-SHAPES: dict[str, tuple[str, dict]] = {
-    "qwen2.5-0.5b": (
-        "qwen2",
-        dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "qwen2.5-1.5b": (
-        "qwen2",
-        dict(
-            vocab_size=151936,
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "llama-3.2-3b": (
-        "llama",
-        dict(
-            vocab_size=128256,
-            hidden_size=3072,
-            intermediate_size=8192,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            tie_word_embeddings=True,
-        ),
-    ),
-    "mistral-7b": (  # Mistral-7B-Instruct-v0.3
-        "mistral",
-        dict(
-            vocab_size=32768,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-5,
-            rope_theta=1000000.0,
-            sliding_window=None,
-            tie_word_embeddings=False,
-        ),
-    ),
-    # a seconds-long smoke run of the whole script
-    "tiny": (
-        "qwen2",
-        dict(
-            vocab_size=49152,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        ),
-    ),
-}
+# The embedded tokenizer's ids index every shape's embedding: a smaller vocabulary (Mistral's
+# 32k, the tiny shape's) is widened to it. The rest of each shape is its architecture's own.
+TOKENIZER_VOCAB = 49152
 
 
 def build_model(shape: str, dtype, device: str = "cpu"):
-    """A random-initialised causal LM of ``shape``, created directly in ``dtype`` (on the
-    ``meta`` device: its shapes only)."""
+    """A random-initialised causal LM of ``shape`` (``ragblend.bench.shapes``), created directly
+    in ``dtype`` (on the ``meta`` device: its shapes only)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    family, kwargs = SHAPES[shape]
-    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[family]
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config_class(**kwargs), dtype=dtype)
-    return model.eval()
+    vocab = max(SHAPES[shape]["vocab_size"], TOKENIZER_VOCAB)
+    return build_shape(shape, torch.device(device), dtype, seed=0, vocab_size=vocab)
 
 
 def does_not_fit(shape: str, dtype_name: str) -> str | None:

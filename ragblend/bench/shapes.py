@@ -1,7 +1,8 @@
 """Real model architectures with random weights: time without downloading any weights.
 
-``SHAPES`` holds the configs of Mistral-7B-v0.2 and Llama-3-8B (and a tiny Mistral-shaped model
-for CPU smoke tests); :func:`build_model` creates one with random weights directly on a device,
+``SHAPES`` holds the configs (their config.json values) of Qwen2.5-0.5B/1.5B, Llama-3.2-3B,
+Mistral-7B-v0.2 and Llama-3-8B (and a tiny Mistral-shaped model for CPU smoke tests);
+:func:`build_model` creates one with random weights directly on a device,
 and :class:`IdTokenizer` lets the engine run on token ids alone (``random_ids``), so neither a
 tokenizer nor a dataset is needed. Answers from random weights mean nothing; compute per mode
 does not depend on the weights (the recompute budget is fixed by the ratio).
@@ -15,6 +16,53 @@ from typing import Any
 import torch
 
 SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-3b": dict(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=True,
+    ),
     "mistral-7b": dict(  # Mistral-7B-v0.2 (no sliding window, rope theta 1e6)
         family="mistral",
         hidden_size=4096,
@@ -75,13 +123,16 @@ class IdTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
-    """A random-weight HF causal LM of ``shape`` (a key of ``SHAPES``), created on ``device``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+def build_model(
+    shape: str, device: torch.device, dtype: torch.dtype, seed: int, **overrides: Any
+) -> Any:
+    """A random-weight HF causal LM of ``shape`` (a key of ``SHAPES``), created on ``device``
+    (``meta``: its shapes only); ``overrides`` replace config values (e.g. ``vocab_size``)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    spec = dict(SHAPES[shape])
+    spec = {**SHAPES[shape], **overrides}
     family = spec.pop("family")
-    cls = {"mistral": MistralConfig, "llama": LlamaConfig}[family]
+    cls = {"mistral": MistralConfig, "llama": LlamaConfig, "qwen2": Qwen2Config}[family]
     config = cls(**spec)
     torch.manual_seed(seed)
     with torch.device(device):
