@@ -108,6 +108,9 @@ def pack_decode_linears(model: nn.Module) -> int:
     setattr(model, _TRIED, True)
     dtype = linears[0].weight.dtype
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if not available():
+        log.info("decoding without prepacked %s weights: this torch has no oneDNN", name)
+        return 0
     if not cpu_packs(dtype):
         log.info(
             "decoding without prepacked bf16 weights: oneDNN packs them with AVX512 or "
