@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ragblend.fusion.native import NativeKernels, RopeKernel
+from ragblend.fusion.native import NativeKernels
 from ragblend.models.adapters import LayerwiseModel
 
 
@@ -114,14 +114,14 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     position_ids = torch.tensor(positions, device=device)
     ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
     kernels = decoders[0].kernels
-    norm = kernels.rms_norm if kernels is not None and m.llama_rms_norms else None
+    norm = m.native_norm(kernels)
     attend = kernels.decode_attend if kernels is not None else None
     for i in range(m.num_layers):
         group = m.rope_group(i)
         if group not in ropes:
             ropes[group] = m.rope(position_ids, hidden, i)
         cos, sin = ropes[group]
-        proj = m.project(i, hidden, cos, sin, _rope_kernel(m, kernels, cos), norm)
+        proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm)
         window = m.sliding_window(i)
         if attend is not None and proj.q.dtype == torch.float32:
             keys = [d.keys[i] for d in decoders]
@@ -133,18 +133,6 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     for d in decoders:
         d.position += 1
     return m.logits(hidden)
-
-
-def _rope_kernel(
-    m: LayerwiseModel, kernels: NativeKernels | None, cos: torch.Tensor
-) -> RopeKernel | None:
-    """The native RoPE where it computes this model's: rotate_half over the whole head dim,
-    in the kernels' dtype (as the fusor decides)."""
-    if kernels is None or not m.rope_rotates_half:
-        return None
-    if cos.shape[-1] != m.head_dim or cos.dtype != kernels.dtype:
-        return None
-    return kernels.rope_
 
 
 def _attend_each(

@@ -9,7 +9,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.native import NativeKernels, NormKernel, RopeKernel
+from ragblend.fusion.native import NativeKernels, RopeKernel
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
     cached_key_temper,
@@ -93,19 +93,10 @@ def fuse(
     memory: dict = {}  # their scratch space for this prefill
     temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
     row_kernel = native.attend_rows if native is not None else None
-    rotate_: RopeKernel = model.rotate_
-    fresh_rope: RopeKernel | None = None  # RoPE of the projected rows: HF's unless native
-    cos_0 = ropes.full(0)[0]
-    if (  # the native RoPE's layout: rotate_half over the whole head dim, in its dtype
-        native is not None
-        and model.rope_rotates_half
-        and cos_0.shape[-1] == model.head_dim
-        and cos_0.dtype == native.dtype
-    ):
-        rotate_ = fresh_rope = native.rope_
-    norm: NormKernel | None = (
-        native.rms_norm if native is not None and model.llama_rms_norms else None
-    )
+    # RoPE of the projected rows and of the cached keys: HF's unless native
+    fresh_rope = model.native_rope(native, ropes.full(0)[0])
+    rotate_: RopeKernel = fresh_rope or model.rotate_
+    norm = model.native_norm(native)
     for layer, k_cached, v_cached in layers:
         cos_all, sin_all = ropes.full(layer)
         # project

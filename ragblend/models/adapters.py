@@ -17,7 +17,7 @@ from ragblend.errors import UnsupportedModelError
 from ragblend.models.packed import qkv_projections
 
 if TYPE_CHECKING:
-    from ragblend.fusion.native import NormKernel, RopeKernel
+    from ragblend.fusion.native import NativeKernels, NormKernel, RopeKernel
 
 # The RMSNorm classes whose forward is LlamaRMSNorm's (what ragblend's native norm computes).
 LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -96,6 +96,19 @@ class LayerwiseModel:
         """True when the family's RoPE is the rotate_half layout (HF's ``rotate_half``), which
         ragblend's native RoPE kernel implements."""
         return self._rotate_half is not None
+
+    def native_rope(self, kernels: NativeKernels | None, cos: torch.Tensor) -> RopeKernel | None:
+        """``kernels``' in-place RoPE where it computes this model's — the rotate_half layout
+        over the whole head dim (``cos`` [..., d]), in the kernels' dtype — else None."""
+        if kernels is None or not self.rope_rotates_half:
+            return None
+        if cos.shape[-1] != self.head_dim or cos.dtype != kernels.dtype:
+            return None
+        return kernels.rope_
+
+    def native_norm(self, kernels: NativeKernels | None) -> NormKernel | None:
+        """``kernels``' RMSNorm where this model's layer norms are Llama's, else None."""
+        return kernels.rms_norm if kernels is not None and self.llama_rms_norms else None
 
     def rotate(self, k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to pre-RoPE keys [1, H, T, d] (returns a new tensor)."""
