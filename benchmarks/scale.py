@@ -1,7 +1,8 @@
 """TTFT (full vs blend), decode speed and memory of real architectures from 0.5B to 7B.
 
     python benchmarks/scale.py --shapes qwen2.5-0.5b,qwen2.5-1.5b,llama-3.2-3b,mistral-7b \\
-        [--questions N] [--dtype auto] --out DIR
+        [--questions N] [--dtype auto] [--quant none|Q4_K_M|Q8_0] [--weights auto|dequantize] \\
+        [--gguf-dir DIR] --out DIR
 
 Each shape is a random-initialised model of that architecture's real config
 (``ragblend.bench.shapes``; no weights are downloaded), run in a process of its own so its peak
@@ -12,6 +13,15 @@ prefill are timed back to back (``--repeats`` each, the median kept), and decodi
 compute timings, not answers. Writes ``DIR/scale.json``:
 ``{"settings": {...}, "shapes": {shape: {"params", "dtype", "weights_bytes", "kv_bytes",
 "ttft_full_ms", "ttft_blend_ms", "speedup", "decode_tok_s", "peak_rss_bytes"}}}``.
+
+``--quant Q4_K_M`` (or ``Q8_0``) writes each shape's random weights as a real GGUF of that
+type first (``ragblend.bench.random_gguf``, llama.cpp's per-tensor mix; kept under
+``--gguf-dir`` when given, else deleted after) and runs the file with ``--weights``; each entry
+then adds ``quant``, and ``weights_bytes`` is the weights' resident bytes as run. Where
+llama-cpp-python is importable, each entry adds llama.cpp on the same file, prompt ids and
+threads: ``llamacpp_ttft_full_ms`` (a full prefill) and ``llamacpp_decode_tok_s`` (after the
+full prefill; ragblend's rate is after the blend prefill of the same prompt), measured after
+ragblend's ``peak_rss_bytes`` is read.
 """
 
 from __future__ import annotations
@@ -26,8 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragblend.bench.random_gguf import QUANTS, write_random_gguf
 from ragblend.bench.shapes import SHAPES
 from ragblend.bench.shapes import build_model as build_shape
+from ragblend.models.gguf import WEIGHTS
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
 
@@ -45,22 +57,25 @@ def build_model(shape: str, dtype, device: str = "cpu"):
     return build_shape(shape, torch.device(device), dtype, seed=0, vocab_size=vocab)
 
 
-def does_not_fit(shape: str, dtype_name: str) -> str | None:
-    """Why ``shape``'s weights in that dtype cannot run here (over 80 % of the memory
-    available now: the KV, activations and the process need the rest), or None."""
+def does_not_fit(shape: str, dtype_name: str, gguf: Path | None = None) -> str | None:
+    """Why ``shape``'s weights in that dtype (or its GGUF file, kept quantized) cannot run here
+    (over 80 % of the memory available now: the KV, activations and the process need the
+    rest), or None."""
     from ragblend.models.dtype import resolve_dtype
     from ragblend.models.packed import available_memory
 
     dtype = resolve_dtype(dtype_name)
-    model = build_model(shape, dtype, device="meta")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if gguf is not None:
+        weights, what = gguf.stat().st_size, f"{gguf.name}'s"
+    else:
+        model = build_model(shape, dtype, device="meta")
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        what = f"{str(dtype).removeprefix('torch.')}"
     free = available_memory()
     if free is None or weights <= 0.8 * free:
         return None
-    return (
-        f"{weights / 2**30:.1f} GiB of {str(dtype).removeprefix('torch.')} weights do not fit "
-        f"in the {free / 2**30:.1f} GiB available"
-    )
+    gib = f"{weights / 2**30:.1f} GiB of {what} weights"
+    return f"{gib} do not fit in the {free / 2**30:.1f} GiB available"
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -72,17 +87,23 @@ def measure(args: argparse.Namespace) -> dict:
     from ragblend.generation import decode_tokens
     from ragblend.models.dtype import resolve_dtype
     from ragblend.models.loading import embedded_model_dir
+    from ragblend.models.quantized import quantized_weights, weight_bytes
 
     dtype = resolve_dtype(args.dtype)
-    model = build_model(args.worker, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    config = BlendConfig(dtype=str(dtype).removeprefix("torch."))
-    engine = BlendEngine(model, tokenizer, config, name=args.worker)
+    config = BlendConfig(dtype=str(dtype).removeprefix("torch."), weights=args.weights)
+    if args.gguf:
+        engine = BlendEngine.from_pretrained(args.gguf, config=config)
+        model, tokenizer = engine.model, engine.tokenizer
+    else:
+        model = build_model(args.worker, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+        engine = BlendEngine(model, tokenizer, config, name=args.worker)
     cases = load_cases(args.dataset, tokenizer, 6, 512, args.questions)
-    full_ms, blend_ms, ratios, rates, kv = [], [], [], [], []
+    full_ms, blend_ms, ratios, rates, kv, prompts = [], [], [], [], [], []
     for case in cases:
         engine.precompute(case.chunks)
         prompt = engine.tokenize(case.question, case.chunks)
+        prompts.append(list(prompt.ids))
         kv.append(engine.layers.kv_bytes_per_token() * len(prompt))
         engine.prefill(prompt, "blend")  # warm the code paths
         full_runs, blend_runs = [], []
@@ -99,18 +120,50 @@ def measure(args: argparse.Namespace) -> dict:
         tokens = decode_tokens(model, blend, greedy, steps, set(), engine.layers, engine.native)
         count = sum(1 for _ in tokens) - 1  # the first token comes from the prefill
         rates.append(count / (time.perf_counter() - t0))
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
+    quantized = quantized_weights(model)
+    result = {
+        "params": sum(p.numel() for p in model.parameters())
+        + sum(w.rows * w.cols for w in {id(w.blocks): w for w in quantized.values()}.values()),
         "dtype": str(dtype).removeprefix("torch."),
-        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "weights_bytes": weight_bytes(model),
         "kv_bytes": int(statistics.median(kv)),
         "ttft_full_ms": statistics.median(full_ms),
         "ttft_blend_ms": statistics.median(blend_ms),
         "speedup": statistics.median(ratios),
         "decode_tok_s": statistics.median(rates),
+        "decode_path": engine.decode_path,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "n": len(cases),
         "recomputed_fraction": blend.stats.recomputed_fraction,
+    }
+    if args.gguf:
+        result["quant"] = args.quant
+        result.update(llamacpp(args, prompts))
+    return result
+
+
+def llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """llama.cpp's full-prefill TTFT and decode rate on the same file and prompt ids (median
+    over questions), or the reason it was skipped."""
+    import torch
+
+    from ragblend.bench import llamacpp as peer
+
+    if not peer.available():
+        return {"llamacpp_skipped": "llama-cpp-python is not installed"}
+    n_ctx = max(len(p) for p in prompts) + args.decode_tokens + 16
+    setting, _ = peer.best_setting(args.gguf, prompts[:1], n_ctx, repeats=1)
+    llm = peer.LlamaCppPeer(args.gguf, n_ctx, setting, threads=torch.get_num_threads())
+    try:
+        llm.ttft_ms(prompts[0])  # warm-up
+        ttft = [statistics.median(llm.ttft_ms(p)[0] for _ in range(args.repeats)) for p in prompts]
+        rates = [llm.decode_tok_s(p, args.decode_tokens) for p in prompts]
+    finally:
+        llm.close()
+    return {
+        "llamacpp_ttft_full_ms": statistics.median(ttft),
+        "llamacpp_decode_tok_s": statistics.median(rates),
+        "llamacpp_setting": {"n_batch": setting.n_batch, "flash_attn": setting.flash_attn},
     }
 
 
@@ -121,6 +174,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quant", default="none", choices=("none", *QUANTS))
+    parser.add_argument("--weights", default="auto", choices=WEIGHTS)
+    parser.add_argument("--gguf-dir", help="where --quant's GGUF files are written and reused")
+    parser.add_argument("--gguf", help=argparse.SUPPRESS)  # the worker's GGUF
     parser.add_argument("--dataset", default=str(DATASET))
     parser.add_argument("--out", help="output directory (scale.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one shape, in this process
@@ -144,6 +201,8 @@ def main() -> None:
     results: dict = {
         "settings": {
             "dtype": args.dtype,
+            "quant": args.quant,
+            "weights": args.weights,
             "questions": args.questions,
             "repeats": args.repeats,
             "decode_tokens": args.decode_tokens,
@@ -154,23 +213,46 @@ def main() -> None:
         },
         "shapes": {},
     }
+    gguf_dir = Path(args.gguf_dir or tempfile.mkdtemp(prefix="ragblend-scale-"))
     for shape in shapes:
-        reason = does_not_fit(shape, args.dtype)
+        gguf = None
+        if args.quant != "none":
+            gguf = gguf_dir / f"{shape}-{args.quant}.gguf"
+            if not gguf.is_file():
+                print(shape, "writing", gguf, flush=True)
+                write_random_gguf(shape, args.quant, gguf)
+        reason = does_not_fit(shape, args.dtype, gguf)
         if reason is not None:
             results["shapes"][shape] = {"skipped": reason}
             print(shape, "skipped:", reason, flush=True)
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json") as result:
-            cmd = [sys.executable, __file__, "--worker", shape, "--result", result.name]
-            for flag in ("questions", "repeats", "decode_tokens", "dtype", "dataset"):
-                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            proc = subprocess.run(cmd)
-            if proc.returncode != 0:
-                results["shapes"][shape] = {"error": f"exit status {proc.returncode}"}
-            else:
-                results["shapes"][shape] = json.loads(Path(result.name).read_text())
-        print(shape, json.dumps(results["shapes"][shape]), flush=True)
+        else:
+            results["shapes"][shape] = run_worker(args, shape, gguf)
+            print(shape, json.dumps(results["shapes"][shape]), flush=True)
+        if gguf is not None and not args.gguf_dir:
+            gguf.unlink()
         (out / "scale.json").write_text(json.dumps(results, indent=2))
+
+
+def run_worker(args: argparse.Namespace, shape: str, gguf: Path | None) -> dict:
+    """Measure ``shape`` in a process of its own."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        cmd = [sys.executable, __file__, "--worker", shape, "--result", result.name]
+        for flag in (
+            "questions",
+            "repeats",
+            "decode_tokens",
+            "dtype",
+            "dataset",
+            "quant",
+            "weights",
+        ):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        if gguf is not None:
+            cmd += ["--gguf", str(gguf)]
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0:
+            return {"error": f"exit status {proc.returncode}"}
+        return json.loads(Path(result.name).read_text())
 
 
 if __name__ == "__main__":

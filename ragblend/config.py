@@ -8,6 +8,7 @@ from typing import Literal
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.native import RowAttention, check_row_attention
+from ragblend.models.gguf import Weights, check_weights
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
@@ -40,6 +41,10 @@ class BlendConfig:
     adaptive_mass: instead of a fixed ratio, a check layer keeps the fewest top-scored rows
         covering this share of the selector's score mass, clamped to ``adaptive_ratio``
         (min, max) × the check layer's scale. ``None``: off (the fixed ``ratio``).
+    weights: ``"auto"`` (default) keeps a GGUF's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1,
+        Q8_0, Q4_K, Q5_K, Q6_K) as stored on CPU: decode steps read the blocks through native
+        kernels, prefills dequantize them (``ragblend.models.quantized``); ``"dequantize"``
+        converts every weight to the compute dtype at load. HF directories load as they are.
     namespace: tenant salt mixed into every chunk and prefix key (``None``: no tenant). Set by
         the server side that builds the engine; tenants never hit each other's entries.
     kv_dtype: storage dtype of chunk KV, independent of the compute dtype: ``"auto"`` (the
@@ -84,6 +89,7 @@ class BlendConfig:
     mode: Mode = "blend"
     device: str = "cpu"
     dtype: str = "auto"
+    weights: Weights = "auto"
     namespace: str | None = None
     kv_dtype: str = "auto"
     max_new_tokens: int = 64
@@ -119,6 +125,7 @@ class BlendConfig:
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
         check_row_attention(self.row_attention)
+        check_weights(self.weights)
         if self.precompute_context not in ("prefix", "canonical", "filler", "bos", "none"):
             raise RagblendError(f"unknown precompute_context {self.precompute_context!r}")
 

@@ -33,7 +33,8 @@ from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
-from ragblend.models.packed import pack_decode_linears
+from ragblend.models.packed import is_packed, pack_decode_linears
+from ragblend.models.quantized import decode_path
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
@@ -109,7 +110,9 @@ class BlendEngine:
         ``overrides`` are BlendConfig fields, applied onto ``config`` when both are given.
         """
         config = dataclasses.replace(config, **overrides) if config else BlendConfig(**overrides)
-        model, tokenizer = load_model(name_or_path, device=config.device, dtype=config.dtype)
+        model, tokenizer = load_model(
+            name_or_path, device=config.device, dtype=config.dtype, weights=config.weights
+        )
         aliases = {"embedded": "SmolLM2-135M-Instruct", "gemma": "gemma-3-270m-Q4_K_M"}
         name = aliases.get(str(name_or_path), str(name_or_path))
         return cls(model, tokenizer, config, store, prompt_format, name=name)
@@ -449,6 +452,18 @@ class BlendEngine:
         precompute (warmup jobs, Ray actors) never pay its time or the weights' second copy."""
         if self.config.packed_decode:
             pack_decode_linears(self.model)
+
+    @property
+    def decode_path(self) -> str:
+        """What a decode step's linears read: ``"q4_1-native"`` (quantized blocks, the model's
+        most common type), ``"fp32-packed"`` / ``"bf16-packed"`` (oneDNN-prepacked weights,
+        once a decode has packed them) or the plain dtype (``"fp32"``)."""
+        quantized = decode_path(self.model)
+        if quantized is not None:
+            return quantized
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        dtype = name.get(self.layers.dtype, str(self.layers.dtype))
+        return f"{dtype}-packed" if is_packed(self.model) else dtype
 
     # ------------------------------------------------------------------ benchmarks
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:

@@ -28,10 +28,17 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(model, family: str, path: Path, half: bool = False) -> Path:
+def write_gguf(
+    model, family: str, path: Path, half: bool = False, quant: str | dict[str, str] | None = None
+) -> Path:
     """Write ``model`` (a tiny HF causal LM of ``family``) as a GGUF file at ``path``.
 
-    ``half``: 2-D weights as F16 (norms and biases stay F32, as llama.cpp writes them)."""
+    ``half``: 2-D weights as F16 (norms and biases stay F32, as llama.cpp writes them).
+    ``quant``: 2-D weights as that ggml type (a name, e.g. ``"Q8_0"``), or per matrix
+    (``{"attn_q": "Q4_K", "token_embd": "Q8_0", ...}``, by GGUF base name; others F32).
+    Types the ``gguf`` package quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) hold the
+    model's weights quantized; the K-quants (Q4_K, Q5_K, Q6_K) hold random blocks instead
+    (the ``gguf`` package has no K-quantizer): such a file is its own model."""
     import gguf
 
     cfg = model.config
@@ -81,9 +88,26 @@ def write_gguf(model, family: str, path: Path, half: bool = False) -> Path:
             w = w + 1  # llama.cpp stores Gemma's norms as 1 + weight
         if half and w.ndim == 2:
             w = w.astype(np.float16)
+        kind = quant if isinstance(quant, str) or quant is None else quant.get(name.split(".")[-1])
+        if kind is not None and w.ndim == 2:
+            w, raw = _quantized(w, kind)
+            writer.add_tensor(f"{name}.{suffix}", w, raw_dtype=raw)
+            continue
         writer.add_tensor(f"{name}.{suffix}", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _quantized(w: np.ndarray, kind: str):
+    """(uint8 blocks [rows, row_bytes], ggml type) of ``w`` [rows, cols] as ``kind``."""
+    import gguf
+
+    from ragblend.bench.random_gguf import random_blocks
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_blocks(w.shape[0], w.shape[1], kind, np.random.default_rng(0)), qtype
+    return gguf.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype), qtype

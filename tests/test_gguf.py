@@ -1,4 +1,4 @@
-"""Any GGUF file of a supported family loads: converted once, streamed, atomically."""
+"""Any GGUF file of a supported family loads: its config and tokenizer read once, atomically."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gguf_files import write_gguf
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import RagblendError
-from ragblend.models.gguf import INDEX_FILE, gguf_model_dir
+from ragblend.models.gguf import SOURCE_FILE, gguf_model_dir
 from ragblend.models.loading import load_model
 
 # What a Gemma 3 GGUF can say: llama.cpp's layer pattern (five sliding, one global), queries
@@ -55,29 +55,36 @@ def test_a_gguf_of_each_family_loads_as_the_model_it_was_written_from(family, ho
     assert type(model).__name__ == expected
     assert tokenizer("Hello world")["input_ids"]  # the tokenizer came out of the file too
     torch.testing.assert_close(_logits(model), _logits(source), atol=1e-5, rtol=0)
-    # converted once, under the file's content hash, owner-only
+    # config and tokenizer read once, under the file's path, size and mtime, owner-only
     (converted,) = (home / "models").iterdir()
-    assert len(converted.name) == 64 and (converted / INDEX_FILE).is_file()
+    assert converted.name.startswith("gguf-") and (converted / SOURCE_FILE).is_file()
+    assert not any(converted.glob("*.safetensors"))  # the weights stay in the GGUF
     assert stat.S_IMODE(converted.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in converted.iterdir())
     assert gguf_model_dir(path) == converted
 
 
-def test_f16_weights_are_kept_in_f16_and_load_exactly(home, tmp_path):
+def test_f16_weights_load_exactly_as_the_file_holds_them(home, tmp_path):
     source = _source("qwen2")
     path = write_gguf(source, "qwen2", tmp_path / "half.gguf", half=True)
-    from safetensors import safe_open
-
-    directory = gguf_model_dir(path)
-    shard = next(directory.glob("model-*.safetensors"))
-    with safe_open(shard, "pt") as f:
-        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
-    assert "F16" in dtypes
     for p in source.parameters():  # the values the file holds
         if p.dim() == 2:
             p.data = p.data.half().float()
     model, _ = load_model(path, dtype="float32")
     torch.testing.assert_close(_logits(model), _logits(source), atol=1e-5, rtol=0)
+
+
+def test_a_changed_file_is_read_again_and_an_unchanged_one_is_not_hashed_again(home, tmp_path):
+    path = write_gguf(_source("llama"), "llama", tmp_path / "llama.gguf")
+    first = gguf_model_dir(path)
+    record = (first / SOURCE_FILE).read_text()
+    assert gguf_model_dir(path) == first and (first / SOURCE_FILE).read_text() == record
+    write_gguf(_source("qwen2"), "qwen2", path)  # same path, new contents (size and mtime)
+    os.utime(path, ns=(0, 1))
+    second = gguf_model_dir(path)
+    assert second != first and (second / SOURCE_FILE).read_text() != record
+    model, _ = load_model(path, dtype="float32")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -97,22 +104,21 @@ def test_engine_from_a_gguf_answers_in_every_mode_and_blend_at_ratio_one_is_full
         assert result.token_ids or result.stats.finish_reason == "stop"
 
 
-KILLED_CONVERSION = textwrap.dedent(
+KILLED_PREPARATION = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from ragblend.models.gguf import convert_gguf
+    from ragblend.models.gguf import prepare_gguf_dir
 
-    def die(shard):
-        if shard == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), shard_bytes=1 << 16, after_shard=die)
+    prepare_gguf_dir(Path(sys.argv[1]), Path(sys.argv[2]), after_config=die)
     """
 )
 
 
-def test_a_conversion_killed_half_way_leaves_nothing_that_loads_and_the_next_converts(
+def test_a_preparation_killed_half_way_leaves_nothing_that_loads_and_the_next_prepares(
     home, tmp_path
 ):
     source = _source("llama")
@@ -120,17 +126,17 @@ def test_a_conversion_killed_half_way_leaves_nothing_that_loads_and_the_next_con
     target = home / "models" / "killed"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CONVERSION, str(path), str(target)], env=env, timeout=600
+        [sys.executable, "-c", KILLED_PREPARATION, str(path), str(target)], env=env, timeout=600
     )
     assert proc.returncode == -signal.SIGKILL
     assert not target.exists()
     debris = [p for p in (home / "models").iterdir() if p.name.startswith(".convert-")]
-    assert debris and any(debris[0].glob("model-*.safetensors"))  # it died mid-write
-    converted = gguf_model_dir(path)  # converts again, and clears the dead one's staging
+    assert debris and (debris[0] / "config.json").is_file()  # it died mid-write
+    prepared = gguf_model_dir(path)  # prepares again, and clears the dead one's staging
     assert not any(p.name.startswith(".convert-") for p in (home / "models").iterdir())
     model, _ = load_model(path, dtype="float32")
     torch.testing.assert_close(_logits(model), _logits(source), atol=1e-5, rtol=0)
-    assert converted.parent == home / "models"
+    assert prepared.parent == home / "models"
 
 
 def test_a_file_that_is_not_a_gguf_is_one_clear_error(home, tmp_path):
@@ -140,7 +146,7 @@ def test_a_file_that_is_not_a_gguf_is_one_clear_error(home, tmp_path):
         load_model(bogus)
     with pytest.raises(RagblendError, match="no such GGUF"):
         load_model(tmp_path / "missing.gguf")
-    assert not any((home / "models").glob("[0-9a-f]*"))
+    assert not any((home / "models").glob("gguf-*"))
 
 
 @pytest.mark.slow

@@ -38,8 +38,9 @@ def test_one_row_inputs_equal_f_linear_bit_for_bit_and_other_inputs_go_to_f_line
         assert "forward" not in vars(layer)
 
 
-def test_only_bf16_cpu_linears_are_packed():
-    assert pack_decode_linears(nn.Linear(4, 4)) == 0  # fp32
+def test_only_bf16_and_fp32_cpu_linears_are_packed():
+    assert pack_decode_linears(nn.Linear(4, 4).to(torch.float16)) == 0
+    assert pack_decode_linears(nn.Linear(4, 4)) == 1  # fp32 decode linears are packed too
     model = tiny_model("llama", dtype=torch.bfloat16)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert pack_decode_linears(model) == linears

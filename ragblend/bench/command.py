@@ -10,6 +10,8 @@ from typing import cast
 from ragblend import cpu
 from ragblend.config import KV_DTYPES, MODES, BlendConfig
 from ragblend.fusion.native import ROW_ATTENTION
+from ragblend.models.gguf import WEIGHTS
+from ragblend.models.quantized import quantized_weights, weight_bytes
 
 
 def add_parser(sub) -> None:
@@ -43,6 +45,12 @@ def add_parser(sub) -> None:
     p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHTS,
+        help="a GGUF's quantized tensors: auto (default: kept as blocks) or dequantize",
+    )
     p.add_argument(
         "--row-attention",
         choices=ROW_ATTENTION,
@@ -89,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["dtype"] = args.dtype
     if args.row_attention:
         overrides["row_attention"] = args.row_attention
+    if args.weights:
+        overrides["weights"] = args.weights
     if args.ratio is not None:
         overrides["ratio"] = args.ratio
     if args.selector:
@@ -126,14 +136,20 @@ def run(args: argparse.Namespace) -> int:
     results = run_benchmark(engine, cases, variants, args.repeats, args.max_new_tokens, before)
     if peer:
         from ragblend.bench.llamacpp import run_peer
-        from ragblend.models.loading import embedded_gguf_path
+        from ragblend.models.loading import gguf_source
 
+        gguf = gguf_source(args.model)
+        if gguf is None:
+            raise RagblendError("the llamacpp mode runs GGUF models: pass 'embedded' or a .gguf")
         ids = [engine.tokenize(c.question, c.chunks).ids for c in cases]
-        results["peers"] = {"llamacpp": run_peer(embedded_gguf_path(), ids, args.repeats)}
+        results["peers"] = {"llamacpp": run_peer(gguf, ids, args.repeats)}
     results["settings"] = {
         "model": engine.name,
         "device": args.device,
         "dtype": str(engine.layers.dtype).replace("torch.", ""),
+        "decode_path": engine.decode_path,
+        "weights": "quantized" if quantized_weights(engine.model) else "dequantized",
+        "weight_bytes": weight_bytes(engine.model),
         "row_attention": engine.row_attention,
         "top_k": args.top_k,
         "chunk_tokens": args.chunk_tokens,

@@ -90,6 +90,24 @@ class LlamaCppPeer:
         first = int(last.argmax())
         return (time.perf_counter() - start) * 1000, first
 
+    def decode_tok_s(self, ids: Sequence[int], tokens: int) -> float:
+        """Greedy decode rate after a full prefill of ``ids``: ``tokens`` single-token evals
+        (each feeding the previous argmax), timed from the first to the last."""
+        import numpy as np
+
+        self.llm.reset()
+        self.llm.eval([int(i) for i in ids])
+        vocab = self.llm.n_vocab()
+        token = int(
+            np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(vocab,)).argmax()
+        )
+        start = time.perf_counter()
+        for _ in range(tokens):
+            self.llm.eval([token])
+            logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(vocab,))
+            token = int(logits.argmax())
+        return tokens / (time.perf_counter() - start)
+
     def close(self) -> None:
         self.llm.close()
 

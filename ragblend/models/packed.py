@@ -162,6 +162,11 @@ def _pack(model: nn.Module) -> int:
     return packed
 
 
+def is_packed(model: nn.Module) -> bool:
+    """Whether :func:`pack_decode_linears` packed ``model``'s linears."""
+    return bool(getattr(model, _ATTR, False))
+
+
 def unpack_decode_linears(model: nn.Module) -> None:
     """Undo :func:`pack_decode_linears` (the classes' own ``forward`` again)."""
     vars(model).pop(_TRIED, None)

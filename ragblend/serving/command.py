@@ -37,6 +37,12 @@ def add_parser(sub) -> None:
     store.add_argument("--redis-url", default=None, help="the shared Redis/Valkey tier instead")
     p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
     p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "dequantize"),
+        help="a GGUF's quantized tensors: auto (kept as blocks) or dequantize",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--api-key",
@@ -100,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("RAGBLEND_API_KEY") or None
     warn_if_exposed(args.host, api_key)
-    config = BlendConfig(device=args.device, dtype=args.dtype, namespace=args.namespace)
+    config = BlendConfig(
+        device=args.device, dtype=args.dtype, weights=args.weights, namespace=args.namespace
+    )
     store = open_store(args.store_path, args.redis_url, args.namespace)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, engine.name, args.model) if n))

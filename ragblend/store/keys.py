@@ -8,20 +8,41 @@ from typing import Any
 
 import torch
 
+from ragblend.models.quantized import QuantizedWeight, quantized_weights
+
 KEY_VERSION = 2
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of the model's config and a sample of its weights (tells random inits apart)."""
+    """Hash of the model's config and a sample of its weights (tells random inits apart).
+
+    A quantized weight is sampled as its dequantized values, so a GGUF's model has one
+    fingerprint whether its quantized tensors are kept or dequantized (the same KV)."""
     h = hashlib.sha256()
     config: Any = model.config
     h.update(config.to_json_string(use_diff=False).encode())
-    params = dict(model.named_parameters())
-    for name in sorted(params)[:: max(1, len(params) // 8)]:
-        sample = params[name].detach().reshape(-1)[:4096].to("cpu", torch.float32)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = dict(model.named_parameters())
+    dtype = next(iter(weights.values())).dtype if weights else torch.float32
+    shared: set[int] = set()
+    for name, weight in quantized_weights(model).items():
+        if id(weight.blocks) not in shared:  # a tied LM head is its embedding, counted once
+            shared.add(id(weight.blocks))
+            weights[name] = weight
+    for name in sorted(weights)[:: max(1, len(weights) // 8)]:
         h.update(name.encode())
-        h.update(sample.numpy().tobytes())
+        h.update(_sample(weights[name], dtype).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def _sample(
+    weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, size: int = 4096
+) -> torch.Tensor:
+    """The first ``size`` values of ``weight`` (flattened; quantized ones dequantized to the
+    model's ``dtype``) as fp32 on CPU."""
+    if isinstance(weight, QuantizedWeight):
+        rows = torch.arange(min(weight.rows, -(-size // weight.cols)))
+        return weight.dequantize(dtype, rows).reshape(-1)[:size].float()
+    return weight.detach().reshape(-1)[:size].to("cpu", torch.float32)
 
 
 def _ids_bytes(ids: Sequence[int]) -> bytes:

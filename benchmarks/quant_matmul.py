@@ -1,0 +1,115 @@
+"""Speed of the native GGUF block kernels (ragblend.models.quant_kernels) on one square matrix.
+
+For Q4_K, Q6_K and Q4_1 (random valid blocks, ``--size`` x ``--size``): ``matmul`` at n = 1,
+4 and 16 rows of x, and ``dequantize`` to float32, against ``F.linear`` on the float32 weights
+of the same shape. Each repeat runs every case once, in turn (interleaved, so that a noisy
+neighbour hits all cases alike); the medians are reported with GB/s of weight bytes read
+(blocks for the kernels, float32 weights for F.linear) and, for dequantize, of float32 written.
+
+    python benchmarks/quant_matmul.py --out out/quant_matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ragblend import cpu
+from ragblend.models.quant_kernels import (
+    QUANT_TYPES,
+    dequantize_reference,
+    quant_kernels,
+    random_blocks,
+)
+
+TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_1": 3}
+ROWS = (1, 4, 16)
+
+
+def cases(size: int) -> dict[str, tuple[Callable[[], object], int]]:
+    """name -> (a call to time, bytes of weights it reads)."""
+    kernels = quant_kernels()
+    if kernels is None:
+        raise SystemExit("the quantized-weight kernels are not available on this machine")
+    gen = torch.Generator().manual_seed(0)
+    xs = {n: torch.randn(n, size, generator=gen) for n in ROWS}
+    out: dict[str, tuple[Callable[[], object], int]] = {}
+    weight = None
+    for name, qtype in TYPES.items():
+        blocks = random_blocks(size, size, qtype, gen)
+        weight = dequantize_reference(blocks, qtype, size)
+        nbytes = blocks.numel()
+        for n in ROWS:
+            out[f"{name} matmul n={n}"] = (
+                lambda x=xs[n], b=blocks, q=qtype: kernels.matmul(x, b, q, size, None),
+                nbytes,
+            )
+        out[f"{name} dequantize f32"] = (
+            lambda b=blocks, q=qtype: kernels.dequantize(b, q, size, torch.float32),
+            nbytes,
+        )
+    assert weight is not None
+    for n in ROWS:
+        out[f"F.linear f32 n={n}"] = (lambda x=xs[n], w=weight: F.linear(x, w), weight.nbytes)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", default="out/quant_matmul.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    timed = cases(args.size)
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for call, _ in timed.values():  # warm up: caches, pages, thread pool
+        call()
+    for _ in range(args.repeats):
+        for name, (call, _) in timed.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    results = {}
+    for name, (_, nbytes) in timed.items():
+        median = statistics.median(times[name])
+        row = {"median_ms": median * 1e3, "min_ms": min(times[name]) * 1e3}
+        row["weights_gb_per_s"] = nbytes / median / 1e9
+        if "dequantize" in name:
+            row["f32_out_gb_per_s"] = args.size * args.size * 4 / median / 1e9
+        results[name] = row
+        extra = f", {row['f32_out_gb_per_s']:.1f} GB/s f32 out" if "f32_out_gb_per_s" in row else ""
+        print(
+            f"{name:24s} median {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}), "
+            f"{row['weights_gb_per_s']:6.2f} GB/s weights{extra}"
+        )
+    report = {
+        "benchmark": "quant_matmul",
+        "size": args.size,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "cpu": cpu.cpu_model(),
+        "cpu_isa": cpu.cpu_isa(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "types": {name: QUANT_TYPES[qtype] for name, qtype in TYPES.items()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "results": results,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

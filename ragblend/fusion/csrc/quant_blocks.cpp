@@ -1,0 +1,557 @@
+// GGUF quantized weights read in place: dequantization and a decode step's matmul.
+//
+// CPU, AVX2 + FMA + F16C. A weight tensor is ggml's blocks as the GGUF file stores them, a
+// uint8 tensor [rows, row_bytes]: one row is cols / block_elems consecutive blocks of one of
+// the types below (ggml type ids Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13,
+// Q6_K 14).
+//
+// Each block decodes into one scale per span of 16 or 32 weights (`sc`), for the types with a
+// minimum one offset per 32 weights (`mn`), and its quants, 32 at a time, as small integers in
+// float32 lanes (`q`): weight = sc * q + mn. The quants come out as q * 2^24 (vpshufb puts
+// each byte in the top byte of its lane, then one int -> float conversion) and the scales as
+// sc * 2^-24; powers of two are exact, so every product sc * q is the same float32 as without
+// them. The products and sums are the ones of the gguf package's `dequantize_blocks`, in the
+// same order (Q4_K: (d * sc) * q - dmin * m, each product rounded to float32 on its own; f16
+// fields converted exactly by F16C), with no FMA contraction (-ffp-contract=off and explicit
+// mul / add intrinsics), so that `dequantize` gives gguf's values bit for bit.
+//
+// `matmul` is x [n, cols] @ W.T for n <= 16 rows of x, reading each weight block once for
+// all n rows. Per span it sums x * q in 8 lanes and scales that once (sc * sum(x q)); a
+// minimum adds mn * sum(x), x's sums over each 32 columns computed once per call. Each (x row,
+// weight row) pair has its own 8-lane accumulator that runs over the columns in order (in
+// registers for up to 8 rows of x at a time) and is summed across lanes in a fixed order at
+// the end, so a row's output is the same bit for bit whatever n and however the weight rows
+// are split between threads.
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;  // rows of x per matmul call
+constexpr int64_t kChunk = 8;     // rows of x whose accumulators stay in registers together
+constexpr int64_t kRowTile = 4;   // weight rows that share x's columns while they are in L1
+constexpr int64_t kMatmulTask = 16;  // weight rows per task (a multiple of kRowTile)
+constexpr int64_t kGroup = 256;   // weights decoded together: one K block, or 8 small blocks
+constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
+
+// f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>)
+template <class F, int... I>
+inline void unroll_impl(F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+inline void unroll(F&& f) {
+  unroll_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 bytes in both 128-bit lanes
+inline __m256i bcast16(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i and_(__m256i a, int8_t m) { return _mm256_and_si256(a, _mm256_set1_epi8(m)); }
+
+// v's 16-bit lanes shifted left by S (right by -S), as immediates
+template <int S>
+inline __m256i shift(__m256i v) {
+  if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+  else return v;
+}
+
+// 16 quants as int8, the same in both lanes of v -> 2 x 8 float32 lanes of q * 2^24: vpshufb
+// moves byte k to the top byte of a 32-bit lane and zeroes the rest.
+inline void bytes16_to_f(__m256i v, __m256* q) {
+  constexpr char z = -128;
+  const __m256i lo = _mm256_setr_epi8(z, z, z, 0, z, z, z, 1, z, z, z, 2, z, z, z, 3,  //
+                                      z, z, z, 4, z, z, z, 5, z, z, z, 6, z, z, z, 7);
+  const __m256i hi = _mm256_setr_epi8(z, z, z, 8, z, z, z, 9, z, z, z, 10, z, z, z, 11,  //
+                                      z, z, z, 12, z, z, z, 13, z, z, z, 14, z, z, z, 15);
+  q[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, lo));
+  q[1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, hi));
+}
+
+// Bits [16 * H, 16 * H + 16) of a little-endian uint32 -> 16 bytes (both lanes), 0x10 where
+// the bit is set.
+template <int H>
+inline __m256i bits16_x10(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const int64_t b0 = 0x0101010101010101LL * (2 * H), b1 = 0x0101010101010101LL * (2 * H + 1);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_set_epi64x(b1, b0, b1, b0));
+  const __m256i one = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return and_(_mm256_cmpeq_epi8(_mm256_and_si256(spread, one), one), 0x10);
+}
+
+// Per type: kElems weights in kBytes bytes, a scale per kSpan weights, kMin: an offset per 32.
+// scales(block, sc, mn): sc[kElems / kSpan] (times 2^-24), mn[kElems / 32];
+// quants<U>(block, q): weights [32 U, 32 U + 32) as 4 x 8 lanes of q * 2^24.
+struct Q4_0 {  // d * (q - 8)
+  static constexpr int kElems = 32, kBytes = 18, kSpan = 32;
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* sc, float*) { sc[0] = f16(b) * kQ; }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    const __m256i v = bcast16(b + 2), e8 = _mm256_set1_epi8(8);
+    bytes16_to_f(_mm256_sub_epi8(and_(v, 0x0F), e8), q);
+    bytes16_to_f(_mm256_sub_epi8(and_(shift<-4>(v), 0x0F), e8), q + 2);
+  }
+};
+
+struct Q4_1 {  // (d * q) + m
+  static constexpr int kElems = 32, kBytes = 20, kSpan = 32;
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* sc, float* mn) {
+    sc[0] = f16(b) * kQ;
+    mn[0] = f16(b + 2);
+  }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    const __m256i v = bcast16(b + 4);
+    bytes16_to_f(and_(v, 0x0F), q);
+    bytes16_to_f(and_(shift<-4>(v), 0x0F), q + 2);
+  }
+};
+
+struct Q5_0 {  // d * ((ql | qh << 4) - 16)
+  static constexpr int kElems = 32, kBytes = 22, kSpan = 32;
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* sc, float*) { sc[0] = f16(b) * kQ; }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    const __m256i v = bcast16(b + 6), e16 = _mm256_set1_epi8(16);
+    bytes16_to_f(_mm256_sub_epi8(_mm256_or_si256(and_(v, 0x0F), bits16_x10<0>(b + 2)), e16), q);
+    bytes16_to_f(
+        _mm256_sub_epi8(_mm256_or_si256(and_(shift<-4>(v), 0x0F), bits16_x10<1>(b + 2)), e16),
+        q + 2);
+  }
+};
+
+struct Q5_1 {  // (d * (ql | qh << 4)) + m
+  static constexpr int kElems = 32, kBytes = 24, kSpan = 32;
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* sc, float* mn) {
+    sc[0] = f16(b) * kQ;
+    mn[0] = f16(b + 2);
+  }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    const __m256i v = bcast16(b + 8);
+    bytes16_to_f(_mm256_or_si256(and_(v, 0x0F), bits16_x10<0>(b + 4)), q);
+    bytes16_to_f(_mm256_or_si256(and_(shift<-4>(v), 0x0F), bits16_x10<1>(b + 4)), q + 2);
+  }
+};
+
+struct Q8_0 {  // q * d
+  static constexpr int kElems = 32, kBytes = 34, kSpan = 32;
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* sc, float*) { sc[0] = f16(b) * kQ; }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    bytes16_to_f(bcast16(b + 2), q);
+    bytes16_to_f(bcast16(b + 18), q + 2);
+  }
+};
+
+// Q4_K and Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes (ggml's unpacking);
+// sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as gguf's.
+inline void k_scales(const uint8_t* b, float* sc, float* mn) {
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
+  const uint32_t mins = u[1] & m6;                         // mins 0..3
+  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);          // scales 4..7
+  u[2] = mins;
+  u[0] &= m6;  // scales 0..3
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(u))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(u + 2))));
+  _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b) * kQ), s));
+  _mm256_storeu_ps(mn, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), m),
+                                     _mm256_set1_ps(-0.0f)));
+}
+
+struct Q4_K {  // (d * sc) * q - dmin * m; 32 bytes of qs: sub-block 2i low nibbles, 2i+1 high
+  static constexpr int kElems = 256, kBytes = 144, kSpan = 32;
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* sc, float* mn) { k_scales(b, sc, mn); }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    const uint8_t* p = b + 16 + 32 * (U / 2);
+    bytes16_to_f(and_(shift<-4 * (U % 2)>(bcast16(p)), 0x0F), q);
+    bytes16_to_f(and_(shift<-4 * (U % 2)>(bcast16(p + 16)), 0x0F), q + 2);
+  }
+};
+
+struct Q5_K {  // as Q4_K, with bit U of qh[l] the fifth bit of sub-block U's weight l
+  static constexpr int kElems = 256, kBytes = 176, kSpan = 32;
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* sc, float* mn) { k_scales(b, sc, mn); }
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    const uint8_t* p = b + 48 + 32 * (U / 2);
+    const __m256i l0 = and_(shift<-4 * (U % 2)>(bcast16(p)), 0x0F);
+    const __m256i l1 = and_(shift<-4 * (U % 2)>(bcast16(p + 16)), 0x0F);
+    const __m256i h0 = and_(shift<4 - U>(bcast16(b + 16)), 0x10);
+    const __m256i h1 = and_(shift<4 - U>(bcast16(b + 32)), 0x10);
+    bytes16_to_f(_mm256_or_si256(l0, h0), q);
+    bytes16_to_f(_mm256_or_si256(l1, h1), q + 2);
+  }
+};
+
+struct Q6_K {  // (d * sc) * ((ql | qh << 4) - 32), a scale per 16 weights
+  static constexpr int kElems = 256, kBytes = 210, kSpan = 16;
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* sc, float*) {
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 d = _mm256_set1_ps(f16(b + 208) * kQ);
+    _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+    _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_srli_si128(s8, 8)))));
+  }
+  // weights 128 h + 32 t + l: ql[64 h + 32 (t % 2) + l] nibble t / 2, qh[32 h + l] bits 2t, 2t+1
+  template <int U>
+  static void quants(const uint8_t* b, __m256* q) {
+    constexpr int h = U / 4, t = U % 4;
+    const uint8_t* ql = b + 64 * h + 32 * (t % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const __m256i e32 = _mm256_set1_epi8(32);
+    const __m256i v0 = _mm256_or_si256(and_(shift<-4 * (t / 2)>(bcast16(ql)), 0x0F),
+                                       and_(shift<4 - 2 * t>(bcast16(qh)), 0x30));
+    const __m256i v1 = _mm256_or_si256(and_(shift<-4 * (t / 2)>(bcast16(ql + 16)), 0x0F),
+                                       and_(shift<4 - 2 * t>(bcast16(qh + 16)), 0x30));
+    bytes16_to_f(_mm256_sub_epi8(v0, e32), q);
+    bytes16_to_f(_mm256_sub_epi8(v1, e32), q + 2);
+  }
+};
+
+// float32 -> bfloat16 rounded to nearest even, as torch's c10::BFloat16 (NaN -> 0x7FC0)
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+}
+
+inline void store_bf16(uint16_t* dst, __m256 a, __m256 b) {
+  const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));  // lanes interleaved
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+// Rows [r0, r1) of the weights dequantized into out [rows, cols] (float32, or bf16 bits).
+template <class T, typename Out>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r0, int64_t r1,
+                  Out* out) {
+  alignas(32) float sc[T::kElems / T::kSpan], mn[T::kElems / 32];
+  const int64_t blocks = cols / T::kElems;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const uint8_t* src = w + r * row_bytes + blk * T::kBytes;
+      Out* dst = out + r * cols + blk * T::kElems;
+      T::scales(src, sc, mn);
+      unroll<T::kElems / 32>([&](auto U) {
+        __m256 q[4];
+        T::template quants<U>(src, q);
+        for (int k = 0; k < 4; ++k) {
+          q[k] = _mm256_mul_ps(_mm256_set1_ps(sc[(32 * U + 8 * k) / T::kSpan]), q[k]);
+          if constexpr (T::kMin) q[k] = _mm256_add_ps(q[k], _mm256_set1_ps(mn[U]));
+        }
+        if constexpr (sizeof(Out) == 4) {
+          for (int k = 0; k < 4; ++k)
+            _mm256_storeu_ps(reinterpret_cast<float*>(dst) + 32 * U + 8 * k, q[k]);
+        } else {
+          store_bf16(reinterpret_cast<uint16_t*>(dst) + 32 * U, q[0], q[1]);
+          store_bf16(reinterpret_cast<uint16_t*>(dst) + 32 * U + 16, q[2], q[3]);
+        }
+      });
+    }
+  }
+}
+
+inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x [n, cols] repacked by groups of 256 columns, [groups][n][256] (a short last group
+// zero-padded), so that one group of all n rows is contiguous; and x's sums that an offset
+// multiplies, per 32 columns, [groups][n][kXs]: K types one float per 32 columns (8 per group),
+// small types with an offset 8 lanes per 32 columns (64 per group).
+template <class T>
+constexpr int64_t kXs = T::kElems == 32 ? 64 : 8;
+
+template <class T>
+std::vector<float> pack_x(const float* x, int64_t n, int64_t cols) {
+  const int64_t groups = (cols + kGroup - 1) / kGroup;
+  std::vector<float> packed(groups * n * kGroup, 0.0f);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t width = std::min(kGroup, cols - g * kGroup);
+      std::memcpy(packed.data() + (g * n + i) * kGroup, x + i * cols + g * kGroup, width * 4);
+    }
+  return packed;
+}
+
+template <class T>
+std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
+  if constexpr (!T::kMin) return {};
+  const int64_t groups = (cols + kGroup - 1) / kGroup;
+  std::vector<float> sums(groups * n * kXs<T>, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t u = 0; u < cols / 32; ++u) {
+      const float* p = x + i * cols + 32 * u;
+      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+      float* dst = sums.data() + (u / 8 * n + i) * kXs<T>;
+      if constexpr (T::kElems == 32)
+        _mm256_storeu_ps(dst + 8 * (u % 8), s);
+      else
+        dst[u % 8] = hsum(s);
+    }
+  return sums;
+}
+
+// G rows of x (x [G][256], one group packed) against the group's `nb` blocks of one weight
+// row (src), whose scales are sc, mn: acc[0..G) += their dot products, in 8 lanes. xs: the
+// group's sums of x, [G][kXs].
+template <class T, int G>
+void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn, const float* x,
+               const float* xs, __m256* acc) {
+  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  __m256 a[G];
+  for (int g = 0; g < G; ++g) a[g] = acc[g];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = src + b * T::kBytes;
+    unroll<T::kElems / 32>([&](auto U) {
+      __m256 q[4];
+      T::template quants<U>(blk, q);
+      for (int g = 0; g < G; ++g) {
+        const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
+        if constexpr (T::kSpan == 32) {
+          __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
+          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
+          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), q[2], t);
+          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
+          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b * kSc + U), t, a[g]);
+        } else {
+          __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
+          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
+          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b * kSc + 2 * U), t, a[g]);
+          t = _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]);
+          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
+          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b * kSc + 2 * U + 1), t, a[g]);
+        }
+      }
+    });
+    if constexpr (T::kMin) {
+      for (int g = 0; g < G; ++g) {
+        const float* xsp = xs + g * kXs<T>;
+        if constexpr (T::kElems == 32)
+          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(mn + b), _mm256_loadu_ps(xsp + 8 * b), a[g]);
+        else
+          a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp), a[g]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) acc[g] = a[g];
+}
+
+template <class T>
+void dot_chunk(int64_t rows, const uint8_t* src, int64_t nb, const float* sc, const float* mn,
+               const float* x, const float* xs, __m256* acc) {
+  switch (rows) {
+    case 1: return dot_group<T, 1>(src, nb, sc, mn, x, xs, acc);
+    case 2: return dot_group<T, 2>(src, nb, sc, mn, x, xs, acc);
+    case 3: return dot_group<T, 3>(src, nb, sc, mn, x, xs, acc);
+    case 4: return dot_group<T, 4>(src, nb, sc, mn, x, xs, acc);
+    case 5: return dot_group<T, 5>(src, nb, sc, mn, x, xs, acc);
+    case 6: return dot_group<T, 6>(src, nb, sc, mn, x, xs, acc);
+    case 7: return dot_group<T, 7>(src, nb, sc, mn, x, xs, acc);
+    default: return dot_group<T, 8>(src, nb, sc, mn, x, xs, acc);
+  }
+}
+
+// out[i, r] for weight rows [r0, r1): out [n, rows]; x, xs packed (pack_x, x_sums).
+template <class T>
+void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
+                 const float* xs, const float* bias, int64_t rows, int64_t r0, int64_t r1,
+                 float* out) {
+  constexpr int64_t per_group = kGroup / T::kElems;
+  constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  alignas(32) float sc[per_group * kSc], mn[per_group * kMn];
+  alignas(32) __m256 acc[kRowTile][kMaxRows];
+  const int64_t blocks = cols / T::kElems;
+  for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
+    const int64_t tile = std::min(kRowTile, r1 - t0);
+    for (int64_t r = 0; r < tile; ++r)
+      for (int64_t i = 0; i < n; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
+      const int64_t nb = std::min(per_group, blocks - b0);
+      for (int64_t r = 0; r < tile; ++r) {
+        const uint8_t* src = w + (t0 + r) * row_bytes + b0 * T::kBytes;
+        for (int64_t b = 0; b < nb; ++b) T::scales(src + b * T::kBytes, sc + b * kSc, mn + b * kMn);
+        for (int64_t i0 = 0; i0 < n; i0 += kChunk)
+          dot_chunk<T>(std::min(kChunk, n - i0), src, nb, sc, mn, x + (g * n + i0) * kGroup,
+                       T::kMin ? xs + (g * n + i0) * kXs<T> : nullptr, acc[r] + i0);
+      }
+    }
+    for (int64_t r = 0; r < tile; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        float v = hsum(acc[r][i]);
+        if (bias != nullptr) v += bias[t0 + r];
+        out[i * rows + t0 + r] = v;
+      }
+  }
+}
+
+template <class F>
+void dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case 2: return f(Q4_0{});
+    case 3: return f(Q4_1{});
+    case 6: return f(Q5_0{});
+    case 7: return f(Q5_1{});
+    case 8: return f(Q8_0{});
+    case 12: return f(Q4_K{});
+    case 13: return f(Q5_K{});
+    case 14: return f(Q6_K{});
+    default:
+      TORCH_CHECK(false, "ragblend_quant: unsupported ggml type ", qtype,
+                  " (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14)");
+  }
+}
+
+// f(r0, r1) over [0, rows) in tasks of `task` rows, which at::parallel_for's threads take in
+// turn: a thread that the OS holds back leaves its share to the others (with one static split
+// per thread, every call would wait for it). Each row's values do not depend on the split.
+template <class F>
+void for_row_tasks(int64_t rows, int64_t task, const F& f) {
+  const int64_t tasks = (rows + task - 1) / task;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < tasks; t = next++) f(t * task, std::min(rows, (t + 1) * task));
+  });
+}
+
+// A large output's fresh pages, first touched by the kernel: one page fault per 4 kB costs
+// several times the dequantization itself, so ask for 2 MB pages (what torch's allocator does
+// under THP_MEM_ALLOC_ENABLE=1). Only from 32 MB up, which glibc always maps on its own.
+void advise_huge_pages(void* data, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  if (bytes < (size_t{32} << 20)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + 4095) & ~uintptr_t{4095};
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~uintptr_t{4095};
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
+template <class T>
+void check_blocks(const at::Tensor& blocks, int64_t cols, const char* op) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              op, ": blocks must be a 2-D uint8 CPU tensor [rows, row_bytes]");
+  TORCH_CHECK(blocks.is_contiguous(), op, ": blocks must be contiguous");
+  TORCH_CHECK(cols > 0 && cols % T::kElems == 0, op, ": cols (", cols,
+              ") must be a positive multiple of the type's block of ", T::kElems, " weights");
+  TORCH_CHECK(blocks.size(1) == cols / T::kElems * T::kBytes, op, ": rows of ", blocks.size(1),
+              " bytes, expected ", cols / T::kElems * T::kBytes, " for ", cols, " columns");
+}
+
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "dequantize: dtype must be float32 or bfloat16, got ", dtype);
+  at::Tensor out;
+  dispatch(qtype, [&](auto type) {
+    using T = decltype(type);
+    check_blocks<T>(blocks, cols, "dequantize");
+    const int64_t rows = blocks.size(0), row_bytes = blocks.size(1);
+    out = at::empty({rows, cols}, blocks.options().dtype(dtype));
+    advise_huge_pages(out.data_ptr(), out.nbytes());
+    const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+    const int64_t grain = std::max<int64_t>(1, 65536 / cols);
+    if (dtype == at::kFloat) {
+      float* o = out.data_ptr<float>();
+      for_row_tasks(rows, grain, [&](int64_t r0, int64_t r1) {
+        dequant_rows<T>(w, row_bytes, cols, r0, r1, o);
+      });
+    } else {
+      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      for_row_tasks(rows, grain, [&](int64_t r0, int64_t r1) {
+        dequant_rows<T>(w, row_bytes, cols, r0, r1, o);
+      });
+    }
+  });
+  return out;
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t cols,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "matmul: x must be a contiguous 2-D float32 CPU tensor [n, cols]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "matmul: x has ", x.size(0),
+              " rows; expected 1 to ", kMaxRows);
+  TORCH_CHECK(x.size(1) == cols, "matmul: x has ", x.size(1), " columns, expected ", cols);
+  at::Tensor out;
+  dispatch(qtype, [&](auto type) {
+    using T = decltype(type);
+    check_blocks<T>(blocks, cols, "matmul");
+    const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), n = x.size(0);
+    const float* b = nullptr;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                      bias->size(0) == rows && bias->is_contiguous(),
+                  "matmul: bias must be a contiguous float32 [rows] tensor");
+      b = bias->const_data_ptr<float>();
+    }
+    out = at::empty({n, rows}, x.options());
+    const float* xd = x.const_data_ptr<float>();
+    const std::vector<float> xp = pack_x<T>(xd, n, cols), xs = x_sums<T>(xd, n, cols);
+    const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
+      matmul_rows<T>(xp.data(), n, cols, w, row_bytes, xs.data(), b, rows, r0, r1, o);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ragblend_quant, m) {
+  m.def("dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype) -> Tensor");
+  m.def("matmul(Tensor x, Tensor blocks, int qtype, int cols, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ragblend_quant, CPU, m) {
+  m.impl("dequantize", &dequantize);
+  m.impl("matmul", &matmul);
+}

@@ -1,0 +1,181 @@
+"""Native CPU kernels that read GGUF quantized weight blocks in place (compiled on first use).
+
+A quantized weight is ggml's blocks as a GGUF file stores them: a uint8 tensor
+``[rows, row_bytes]`` (``gguf.GGUFReader(...).tensors[i].data``), each row ``cols`` weights in
+``cols / block_elems`` consecutive blocks of one of :data:`QUANT_TYPES`.
+``ragblend/fusion/csrc/quant_blocks.cpp`` (AVX2 + FMA + F16C) has two ops on them:
+
+- ``dequantize(blocks, qtype, cols, dtype) -> [rows, cols]``: float32 values equal to the gguf
+  package's ``gguf.dequantize`` bit for bit (the same float32 products and sums in the same
+  order), or those values rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds them.
+- ``matmul(x [n, cols], blocks, qtype, cols, bias [rows] | None) -> [n, rows]``:
+  ``x @ dequantize(blocks).T (+ bias)`` to float32 rounding for ``1 <= n <=`` :data:`MAX_ROWS`,
+  reading each weight block once for all n rows (a decode step's projection). Each output row
+  is the same bit for bit whatever n (a request decoded in a batch gets what it gets alone).
+
+:func:`quant_kernels` builds them once per process and checks them on random blocks of every
+type against :func:`dequantize_reference` (the gguf package, also the fallback) before use;
+``None`` (with one warning per process) where the CPU is below the ``avx2`` level
+(:mod:`ragblend.cpu`) or the build or a check fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ragblend import cpu
+
+log = logging.getLogger(__name__)
+
+QUANT_TYPES: dict[int, str] = {
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+}
+MAX_ROWS = 16  # rows of x per matmul call
+LEVEL = "avx2"
+CSRC = Path(__file__).resolve().parents[1] / "fusion" / "csrc"
+NAME = "ragblend_quant"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
+
+# byte offsets, within a block, of the f16 fields that scale it (d, and m / dmin)
+_SCALE_FIELDS: dict[int, tuple[int, ...]] = {
+    2: (0,),
+    3: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    8: (0,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+}
+
+
+class QuantKernels(NamedTuple):
+    """The compiled ops. ``dequantize(blocks, qtype, cols, dtype)``: uint8 ``[rows,
+    row_bytes]`` -> ``[rows, cols]`` in ``dtype`` (float32 or bfloat16).
+    ``matmul(x, blocks, qtype, cols, bias)``: float32 x ``[n, cols]`` (contiguous, n <= 16),
+    bias float32 ``[rows]`` or None -> float32 ``[n, rows]``."""
+
+    dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor]
+    matmul: Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor]
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """(weights, bytes) of one block of ggml type ``qtype``."""
+    import gguf
+
+    elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    return int(elems), int(size)
+
+
+def dequantize_reference(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """float32 ``[rows, cols]`` from uint8 blocks ``[rows, row_bytes]`` through
+    ``gguf.dequantize`` (numpy): the fallback and the kernels' oracle."""
+    import gguf
+
+    data = blocks.contiguous().numpy()
+    values = gguf.dequantize(data, gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(values.reshape(blocks.shape[0], cols).copy())
+
+
+def random_blocks(rows: int, cols: int, qtype: int, generator: torch.Generator) -> torch.Tensor:
+    """Valid random blocks, uint8 ``[rows, row_bytes]``: random bytes, with every f16 scale
+    field (d, m / dmin) a finite value of magnitude in [1e-3, 5e-2] and a random sign."""
+    elems, size = block_shape(qtype)
+    if cols % elems:
+        raise ValueError(f"cols {cols} is not a multiple of {QUANT_TYPES[qtype]}'s {elems}")
+    nblocks = cols // elems
+    data = torch.randint(0, 256, (rows, nblocks, size), generator=generator, dtype=torch.uint8)
+    for offset in _SCALE_FIELDS[qtype]:
+        magnitude = torch.rand(rows, nblocks, generator=generator) * 0.049 + 0.001
+        sign = torch.randint(0, 2, (rows, nblocks), generator=generator) * 2 - 1
+        scale = (magnitude * sign).to(torch.float16).view(torch.uint8).view(rows, nblocks, 2)
+        data[:, :, offset : offset + 2] = scale
+    return data.reshape(rows, nblocks * size)
+
+
+def quant_kernels() -> QuantKernels | None:
+    """The checked kernels, built once per process; None where the CPU is below the ``avx2``
+    level or the build or a check fails (one warning per process says why)."""
+    global _BUILT
+    if _BUILT is None:
+        try:
+            _BUILT = _build()
+        except Exception as exc:  # compiler missing or failing, or a check: the message says
+            _BUILT = str(exc)
+            log.warning("ragblend's native quantized-weight kernels are off: %s", exc)
+    return _BUILT if isinstance(_BUILT, QuantKernels) else None
+
+
+_BUILT: QuantKernels | str | None = None  # the kernels, or why not
+
+
+def _build() -> QuantKernels:
+    if not cpu.isa_at_least(LEVEL):
+        raise RuntimeError(
+            f"they need CPU level {LEVEL}; this CPU is at level {cpu.cpu_isa()} "
+            f"({cpu.cpu_model()})"
+        )
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:
+        # torch runs `ninja` from PATH; the ninja wheel installs it beside this interpreter,
+        # which is not on PATH when the venv is used without activating it
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    log.info("loading ragblend's quantized-weight kernels (compiled once per machine)")
+    load(
+        name=NAME,
+        sources=[str(CSRC / "quant_blocks.cpp")],
+        extra_cflags=list(FLAGS),
+        is_python_module=False,
+    )
+    ops = getattr(torch.ops, NAME)
+    kernels = QuantKernels(ops.dequantize, ops.matmul)
+    for qtype in QUANT_TYPES:
+        _check(kernels, qtype)
+    return kernels
+
+
+def matmul_tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-output bound ``[n, rows]`` on a matmul's float32 rounding error: 1e-4 of
+    ``|x| @ |weight|.T`` plus 1e-6 (x ``[n, cols]``, weight ``[rows, cols]``)."""
+    return x.abs() @ weight.abs().T * 1e-4 + 1e-6
+
+
+def _check(kernels: QuantKernels, qtype: int) -> None:
+    """RuntimeError unless, on random blocks of ``qtype``, dequantize equals gguf's bit for bit
+    (float32, and bf16 as float32 rounded), matmul equals ``x @ ref.T + bias`` to float32
+    rounding, and each row of a batched matmul equals the same row alone bit for bit."""
+    name = QUANT_TYPES[qtype]
+    gen = torch.Generator().manual_seed(qtype)
+    blocks = random_blocks(7, 512, qtype, gen)
+    ref = dequantize_reference(blocks, qtype, 512)
+    got = kernels.dequantize(blocks, qtype, 512, torch.float32)
+    if not torch.equal(got, ref):
+        raise RuntimeError(f"{name} dequantize does not match gguf's bit for bit")
+    if not torch.equal(kernels.dequantize(blocks, qtype, 512, torch.bfloat16), ref.bfloat16()):
+        raise RuntimeError(f"{name} bf16 dequantize does not match gguf's rounded to bf16")
+    x = torch.randn(5, 512, generator=gen)
+    bias = torch.randn(7, generator=gen)
+    batched = kernels.matmul(x, blocks, qtype, 512, bias)
+    if not bool(((batched - (x @ ref.T + bias)).abs() <= matmul_tolerance(x, ref)).all()):
+        raise RuntimeError(f"{name} matmul does not match x @ dequantize(w).T")
+    for i in range(x.shape[0]):
+        alone = kernels.matmul(x[i : i + 1], blocks, qtype, 512, bias)
+        if not torch.equal(alone[0], batched[i]):
+            raise RuntimeError(f"{name} matmul gives a row in a batch other than alone")

@@ -1,0 +1,196 @@
+"""Linear and embedding layers over a GGUF's quantized blocks, kept as stored.
+
+A GGUF's Q4_0 … Q6_K tensors stay as their blocks (uint8 [rows, row_bytes], memory-mapped from
+the file): 4.5-8.5 bits a weight instead of 32. Two kinds of call read them:
+
+- **decode steps** (at most :data:`MAX_ROWS` input rows): a native kernel multiplies the
+  rows by the blocks directly (:mod:`ragblend.models.quant_kernels`), reading the weights once
+  for all rows; each row's output is the same whatever the rows beside it, and equals
+  dequantize + ``F.linear`` to fp32 rounding.
+- **prefills** (more rows): the blocks are dequantized into the compute dtype and
+  ``F.linear`` runs on them, so a prefill computes exactly what the same model converted to
+  dense weights computes (the values are the ``gguf`` package's, bit for bit). Where the
+  dense copy is small (:func:`keep_dense_copies`) it is made once and kept; otherwise each
+  call dequantizes into a buffer freed after it.
+
+Where the kernels cannot run (a CPU below AVX2, a failed build), every call dequantizes
+through the ``gguf`` package and runs ``F.linear``: slower, the same values.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ragblend.models.quant_kernels import (
+    MAX_ROWS,
+    QUANT_TYPES,
+    dequantize_reference,
+    quant_kernels,
+)
+
+log = logging.getLogger(__name__)
+
+
+class QuantizedWeight:
+    """A weight matrix [rows, cols] as GGUF blocks: ``blocks`` uint8 [rows, row_bytes] of
+    ggml type ``qtype`` (one of :data:`QUANT_TYPES`)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, cols: int) -> None:
+        if qtype not in QUANT_TYPES:
+            raise ValueError(f"no kernel for ggml type {qtype}")
+        self.blocks = blocks
+        self.qtype = qtype
+        self.cols = cols
+
+    @property
+    def rows(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def type_name(self) -> str:
+        return QUANT_TYPES[self.qtype]
+
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights (or the rows ``rows``, int64 [n]) as ``dtype`` [rows, cols]: the
+        ``gguf`` package's values, rounded to ``dtype``."""
+        blocks = self.blocks if rows is None else self.blocks.index_select(0, rows)
+        kernels = quant_kernels()
+        if kernels is None:
+            return dequantize_reference(blocks, self.qtype, self.cols).to(dtype)
+        return kernels.dequantize(blocks, self.qtype, self.cols, dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """fp32 ``x`` [n, cols] @ weights.T (+ ``bias``) → fp32 [n, rows] on the blocks, for
+        ``n`` ≤ :data:`MAX_ROWS`; None where the kernels do not run here."""
+        kernels = quant_kernels()
+        if kernels is None or x.shape[0] > MAX_ROWS:
+            return None
+        b = None if bias is None else bias.float()
+        return kernels.matmul(x.contiguous(), self.blocks, self.qtype, self.cols, b)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` over a :class:`QuantizedWeight` (``bias`` in the compute dtype or None).
+
+    ``dtype`` is the compute dtype: a prefill's dense weights and every output are in it."""
+
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features = weight.cols
+        self.out_features = weight.rows
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.dtype = dtype
+        self.dense: torch.Tensor | None = None  # a kept dense copy (keep_dense_copies)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad):
+            out = self.qweight.matmul(x.reshape(rows, self.in_features).float(), self.bias)
+            if out is not None:
+                return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dense_weight(), self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weights as the compute dtype [out, in]: the kept copy, or dequantized now."""
+        if self.dense is not None:
+            return self.dense
+        return self.qweight.dequantize(self.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"type={self.qweight.type_name}, bias={self.bias is not None}"
+        )
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` over a :class:`QuantizedWeight`: each looked-up row dequantized into
+    the compute dtype (then times ``embed_scale`` where the model's embedding has one, as
+    Gemma's ``ScaledWordEmbedding`` does)."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        dtype: torch.dtype,
+        embed_scale: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.num_embeddings = weight.rows
+        self.embedding_dim = weight.cols
+        self.dtype = dtype
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        rows = self.qweight.dequantize(self.dtype, flat).view(*ids.shape, self.embedding_dim)
+        if self.embed_scale is not None:
+            return rows * self.embed_scale.to(self.dtype)
+        return rows
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qweight.type_name}"
+
+
+def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
+    """``{module name + ".weight": weight}`` of the model's quantized layers."""
+    return {
+        f"{name}.weight": module.qweight
+        for name, module in model.named_modules()
+        if isinstance(module, QuantLinear | QuantEmbedding)
+    }
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's weights as run: parameters, quantized blocks (shared
+    blocks counted once) and kept dense copies."""
+    seen: set[int] = set()
+    total = 0
+    tensors = list(model.parameters())
+    tensors += [w.blocks for w in quantized_weights(model).values()]
+    dense = [m.dense for m in model.modules() if isinstance(m, QuantLinear)]
+    tensors += [t for t in dense if t is not None]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def decode_path(model: nn.Module) -> str | None:
+    """What a decode step's linears read when they are quantized, e.g. ``"q4_1-native"``
+    (the most common type of the model's quantized linears; ``"-dequantize"`` where the
+    kernels do not run); None for a model without quantized linears."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            name = module.qweight.type_name.lower()
+            counts[name] = counts.get(name, 0) + module.qweight.nbytes
+    if not counts:
+        return None
+    kind = "native" if quant_kernels() is not None else "dequantize"
+    return f"{max(counts, key=counts.__getitem__)}-{kind}"
+
+
+def keep_dense_copies(model: nn.Module, budget: int) -> int:
+    """Keep a dense copy of every quantized linear's weights for prefills when they take at
+    most ``budget`` bytes together; returns the bytes kept (0 where they do not fit)."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.dense is None]
+    size = sum(m.in_features * m.out_features * m.dtype.itemsize for m in linears)
+    if not linears or size > budget:
+        return 0
+    for module in linears:
+        module.dense = module.qweight.dequantize(module.dtype)
+    return size

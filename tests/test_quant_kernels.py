@@ -1,0 +1,161 @@
+"""The native kernels on GGUF quantized blocks: dequantize equals the gguf package bit for bit,
+matmul equals ``x @ dequantized.T (+ bias)`` to float32 rounding, a row's matmul output is the
+same alone and in a batch, and bad input is a clear error.
+
+Oracle: ``gguf.dequantize`` (numpy) on the same blocks (:func:`dequantize_reference`). The
+matmul tolerance is :func:`matmul_tolerance`: 1e-4 of ``|x| @ |W|.T`` plus 1e-6 per output,
+well above float32 rounding of a 4096-long dot product and far below any wrong weight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragblend.models.quant_kernels import (
+    MAX_ROWS,
+    QUANT_TYPES,
+    QuantKernels,
+    block_shape,
+    dequantize_reference,
+    matmul_tolerance,
+    quant_kernels,
+    random_blocks,
+)
+
+KERNELS = quant_kernels()
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason="the quantized-weight kernels need the avx2 CPU level and a compiler"
+)
+TYPES = sorted(QUANT_TYPES)
+K_TYPES = {12, 13, 14}
+
+
+def _kernels() -> QuantKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
+def _widths(qtype: int) -> list[int]:
+    return [256, 512, 4096] if qtype in K_TYPES else [96, 256, 512, 4096]
+
+
+def _case(qtype: int, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed * 1000 + qtype)
+    blocks = random_blocks(rows, cols, qtype, gen)
+    return blocks, dequantize_reference(blocks, qtype, cols)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+def test_dequantize_equals_gguf_bit_for_bit(qtype):
+    for cols in _widths(qtype):
+        blocks, ref = _case(qtype, 37, cols)
+        got = _kernels().dequantize(blocks, qtype, cols, torch.float32)
+        assert got.shape == (37, cols) and got.dtype == torch.float32
+        assert torch.equal(got, ref), f"{QUANT_TYPES[qtype]} cols={cols}"
+        assert ref.abs().max() > 0  # the blocks are not all zero weights
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+def test_bf16_dequantize_is_the_float32_values_rounded(qtype):
+    blocks, ref = _case(qtype, 19, 512, seed=1)
+    got = _kernels().dequantize(blocks, qtype, 512, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (19, 512)
+    assert torch.equal(got, ref.to(torch.bfloat16))
+
+
+def test_bf16_rounding_is_to_nearest_even_on_ties():
+    # Q8_0 with d = 1 and q = 1..127 gives exact small integers; d = 1 + 2^-8 puts products on
+    # bf16 ties (bf16 keeps 8 significant bits), where rounding goes to the even neighbour
+    blocks = torch.zeros(1, 34, dtype=torch.uint8)
+    blocks[0, :2] = torch.tensor([1 + 2**-8], dtype=torch.float16).view(torch.uint8)
+    blocks[0, 2:] = torch.arange(1, 33, dtype=torch.uint8) * 3
+    ref = dequantize_reference(blocks, 8, 32)
+    got = _kernels().dequantize(blocks, 8, 32, torch.bfloat16)
+    assert torch.equal(got, ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+def test_matmul_equals_x_times_dequantized_weights(qtype):
+    cols = 4096 if qtype in K_TYPES else 1024
+    blocks, ref = _case(qtype, 45, cols, seed=2)
+    gen = torch.Generator().manual_seed(qtype)
+    bias = torch.randn(45, generator=gen)
+    for n in range(1, MAX_ROWS + 1):
+        x = torch.randn(n, cols, generator=gen)
+        with_bias = n % 2 == 0
+        got = _kernels().matmul(x, blocks, qtype, cols, bias if with_bias else None)
+        want = x @ ref.T + (bias if with_bias else 0)
+        assert got.shape == (n, 45) and got.dtype == torch.float32
+        assert bool(((got - want).abs() <= matmul_tolerance(x, ref)).all()), f"n={n}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 33, 67, 130])
+def test_matmul_row_is_the_same_alone_and_batched(qtype, rows):
+    cols = 512 if qtype in K_TYPES else 96 * (1 + rows % 3)
+    blocks, _ = _case(qtype, rows, cols, seed=3)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(MAX_ROWS, cols, generator=gen)
+    bias = torch.randn(rows, generator=gen)
+    batched = _kernels().matmul(x, blocks, qtype, cols, bias)
+    for i in range(MAX_ROWS):
+        alone = _kernels().matmul(x[i : i + 1].clone(), blocks, qtype, cols, bias)
+        assert torch.equal(alone[0], batched[i]), f"row {i}"
+    middle = _kernels().matmul(x[3:10].contiguous(), blocks, qtype, cols, bias)
+    assert torch.equal(middle, batched[3:10])
+
+
+def test_matmul_row_does_not_depend_on_the_thread_count():
+    blocks, _ = _case(12, 200, 1024, seed=4)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _kernels().matmul(x, blocks, 12, 1024, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_kernels().matmul(x, blocks, 12, 1024, None), one)
+
+
+def test_empty_weights_give_empty_outputs():
+    blocks = torch.empty(0, 144, dtype=torch.uint8)
+    assert _kernels().dequantize(blocks, 12, 256, torch.float32).shape == (0, 256)
+    assert _kernels().matmul(torch.ones(2, 256), blocks, 12, 256, None).shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda k, b, x: k.matmul(x.double(), b, 12, 512, None), "float32"),
+        (lambda k, b, x: k.matmul(torch.ones(MAX_ROWS + 1, 512), b, 12, 512, None), "rows"),
+        (lambda k, b, x: k.matmul(torch.ones(0, 512), b, 12, 512, None), "rows"),
+        (lambda k, b, x: k.matmul(x[:, :256].contiguous(), b, 12, 256, None), "bytes"),
+        (lambda k, b, x: k.matmul(torch.ones(1, 500), b, 12, 500, None), "multiple"),
+        (lambda k, b, x: k.matmul(x, b, 12, 512, torch.ones(5)), "bias"),
+        (lambda k, b, x: k.matmul(x, b, 12, 256, None), "columns"),
+        (lambda k, b, x: k.matmul(x, b, 5, 512, None), "unsupported"),
+        (lambda k, b, x: k.matmul(x.t(), b, 12, 512, None), "contiguous"),
+        (lambda k, b, x: k.dequantize(b.float(), 12, 512, torch.float32), "uint8"),
+        (lambda k, b, x: k.dequantize(b[:, :200], 12, 512, torch.float32), "contiguous"),
+        (lambda k, b, x: k.dequantize(b[:, :144].contiguous(), 12, 512, torch.float32), "bytes"),
+        (lambda k, b, x: k.dequantize(b, 12, 480, torch.float32), "multiple"),
+        (lambda k, b, x: k.dequantize(b, 12, 512, torch.float16), "dtype"),
+        (lambda k, b, x: k.dequantize(b.view(-1), 12, 512, torch.float32), "2-D"),
+    ],
+)
+def test_bad_input_is_a_clear_error(call, message):
+    blocks, _ = _case(12, 4, 512)
+    x = torch.ones(4, 512)
+    with pytest.raises(RuntimeError, match=message):
+        call(_kernels(), blocks, x)
+
+
+def test_random_blocks_have_finite_scales_of_the_asked_size():
+    for qtype in TYPES:
+        elems, size = block_shape(qtype)
+        blocks = random_blocks(3, elems * 2, qtype, torch.Generator().manual_seed(0))
+        assert blocks.shape == (3, 2 * size) and blocks.dtype == torch.uint8
+        assert bool(dequantize_reference(blocks, qtype, elems * 2).isfinite().all())
+    with pytest.raises(ValueError):
+        random_blocks(1, 100, 12, torch.Generator())

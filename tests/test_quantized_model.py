@@ -1,0 +1,131 @@
+"""A GGUF's quantized tensors kept as blocks: the same prefill as the dequantized model, decode
+rows on the blocks identical alone and batched, types without a kernel dequantized with a log.
+
+Tiny models of each family (hidden 256, so the K-quants' 256-weight blocks fit) are written as
+GGUF files with a mix of quantized types, then loaded twice: ``weights="auto"`` (blocks kept)
+and ``weights="dequantize"`` (every weight dense, the behaviour before quantized kernels)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from gguf_files import write_gguf
+from torch import nn
+
+from ragblend import BlendConfig, BlendEngine
+from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.models.loading import load_model
+from ragblend.models.quant_kernels import quant_kernels
+from ragblend.models.quantized import QuantEmbedding, QuantLinear, quantized_weights
+from ragblend.store.keys import model_fingerprint
+
+SIZES = dict(hidden_size=256, intermediate_size=512)
+# every kernel type on some matrix; the embedding (and the tied LM head) Q8_0
+MIX = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_K",
+    "attn_k": "Q5_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "Q5_0",
+    "ffn_down": "Q5_1",
+}
+LONG = list(range(300, 340))  # 40 tokens: a prefill (more rows than a decode step)
+
+
+def _write(family: str, tmp_path, mix=MIX):
+    overrides = dict(SIZES)
+    if family == "gemma3":
+        overrides |= dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+        overrides |= dict(final_logit_softcapping=None)
+    return write_gguf(tiny_model(family, **overrides), family, tmp_path / f"{family}.gguf", quant=mix)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGBLEND_HOME", str(tmp_path / "home"))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_blocks_prefill_exactly_as_the_dequantized_model(family, tmp_path):
+    path = _write(family, tmp_path)
+    kept, _ = load_model(path, dtype="float32")
+    dense, _ = load_model(path, dtype="float32", weights="dequantize")
+    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in dense.modules())
+    linears = [m for m in kept.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 7 * kept.config.num_hidden_layers + 1  # the tied LM head too
+    assert isinstance(kept.get_input_embeddings(), QuantEmbedding)
+    # a prefill: the gguf package's values in F.linear, bit for bit
+    assert torch.equal(_logits(kept, LONG), _logits(dense, LONG))
+    # a decode-sized input runs on the blocks: the same to fp32 rounding
+    torch.testing.assert_close(_logits(kept, LONG[:3]), _logits(dense, LONG[:3]), atol=1e-4, rtol=1e-4)
+    # one fingerprint whether the blocks are kept or not: their chunk caches are the same
+    assert model_fingerprint(kept) == model_fingerprint(dense)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blend_at_ratio_one_on_kept_blocks_is_full_prefill(family, tmp_path):
+    path = _write(family, tmp_path)
+    engine = BlendEngine.from_pretrained(str(path), config=BlendConfig(dtype="float32", ratio=1.0))
+    assert quantized_weights(engine.model)
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    full = engine.prefill(prompt, "full")
+    blend = engine.prefill(prompt, "blend")
+    kl = torch.nn.functional.kl_div(
+        blend.logits.log_softmax(-1), full.logits.log_softmax(-1), log_target=True, reduction="sum"
+    )
+    assert float(kl) <= 1e-6
+    for mode in ("full", "prefix", "reuse", "blend"):
+        result = engine.generate(QUESTION, CHUNKS, mode=mode, max_new_tokens=4)
+        assert result.stats.mode == mode
+    assert engine.decode_path.endswith("-native" if quant_kernels() else "-dequantize")
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="the quantized kernels do not run on this CPU")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decode_rows_on_blocks_are_identical_alone_and_batched(family, tmp_path):
+    path = _write(family, tmp_path)
+    engine = BlendEngine.from_pretrained(str(path), config=BlendConfig(dtype="float32"))
+    prompts = [engine.tokenize(QUESTION, CHUNKS[:n]).ids for n in (1, 2, 3)]
+    prefills = [engine.full_prefill(ids) for ids in prompts]
+    decoders = [
+        LayerDecoder.for_cache(engine.layers, p.cache, len(ids), len(ids) + 4, engine.native)
+        for p, ids in zip(prefills, prompts, strict=True)
+    ]
+    tokens = [int(p.logits.argmax()) for p in prefills]
+    batched = decode_batch(decoders, tokens)
+    for i, ids in enumerate(prompts):
+        alone = LayerDecoder.for_cache(
+            engine.layers, prefills[i].cache, len(ids), len(ids) + 4, engine.native
+        )
+        assert torch.equal(alone.step(tokens[i]), batched[i])
+
+
+def test_types_without_a_kernel_load_dequantized_with_one_log_line(tmp_path, caplog):
+    mix = dict(MIX, ffn_up="TQ2_0")  # ternary: no kernel for it
+    path = _write("llama", tmp_path, mix)
+    with caplog.at_level(logging.INFO, logger="ragblend.models.gguf"):
+        model, _ = load_model(path, dtype="float32")
+    lines = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
+    assert len(lines) == 1 and "TQ2_0" in lines[0]
+    assert all(type(layer.mlp.up_proj) is nn.Linear for layer in model.model.layers)
+    assert all(isinstance(layer.mlp.gate_proj, QuantLinear) for layer in model.model.layers)
+    dense, _ = load_model(path, dtype="float32", weights="dequantize")
+    assert torch.equal(_logits(model, LONG), _logits(dense, LONG))
+
+
+def test_unknown_weights_choice_is_one_clear_error():
+    from ragblend.errors import RagblendError
+
+    with pytest.raises(RagblendError, match="unknown weights"):
+        BlendConfig(weights="int4")
