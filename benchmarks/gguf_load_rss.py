@@ -1,14 +1,15 @@
-"""Peak RSS of converting a 7B-shaped GGUF file that this script writes itself.
+"""Peak RSS of loading a 7B-shaped F16 GGUF file that this script writes itself.
 
-    python benchmarks/gguf_convert_rss.py [--shape mistral-7b] --out DIR
+    python benchmarks/gguf_load_rss.py [--shape mistral-7b] [--dtype bfloat16] --out DIR
 
 Writes a GGUF file of the shape (the layers of its config in ``ragblend.bench.shapes``, the embedded
 model's tokenizer and so its vocabulary; F16 weights, F32 norms, as llama.cpp writes them)
-tensor by tensor into a temporary directory — never the whole model in memory — then converts
-it with ragblend's converter (``ragblend.models.gguf.convert_gguf``) in a child process and
-writes ``DIR/gguf_convert.json``: ``gguf_bytes``, ``converted_bytes``, ``peak_rss_bytes`` (the
-child's), ``seconds``, and ``within_target`` (peak RSS ≤ converted size + 1 GiB). The weights
-are a tiled random pattern: the converter's work does not depend on the values.
+tensor by tensor into a temporary directory — never the whole model in memory — then loads
+it (``ragblend.models.loading.load_model``, tensor by tensor from the mapped file) in a child
+process and writes ``DIR/gguf_load.json``: ``gguf_bytes``, ``loaded_bytes`` (the model's
+weights as loaded), ``peak_rss_bytes`` (the child's), ``seconds``, and ``within_target`` (peak
+RSS ≤ loaded size + 1 GiB). The weights are a tiled random pattern: loading does not depend on
+the values.
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ def write_gguf(shape: str, path: Path) -> int:
     return path.stat().st_size
 
 
-CONVERT = "import sys; from pathlib import Path; from ragblend.models.gguf import convert_gguf; "
-CONVERT += "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
+LOAD = (
+    "import json, sys; from ragblend.models.loading import load_model; "
+    "from ragblend.models.quantized import weight_bytes; "
+    "model, _ = load_model(sys.argv[1], dtype=sys.argv[2]); print(json.dumps(weight_bytes(model)))"
+)
 
 
 def main() -> None:
@@ -123,29 +127,32 @@ def main() -> None:
     parser.add_argument("--shape", default="mistral-7b", choices=sorted(SHAPES))
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--work", type=Path, default=None, help="where to write the files")
+    parser.add_argument("--dtype", default="bfloat16", help="the compute dtype loaded into")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ragblend-gguf-rss-", dir=args.work) as tmp:
-        source, target = Path(tmp) / f"{args.shape}.gguf", Path(tmp) / "converted"
+        source = Path(tmp) / f"{args.shape}.gguf"
         t0 = time.perf_counter()
         gguf_bytes = write_gguf(args.shape, source)
         written_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", CONVERT, str(source), str(target)], check=True)
+        child = [sys.executable, "-c", LOAD, str(source), args.dtype]
+        out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
         seconds = time.perf_counter() - t0
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        converted = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        loaded = int(out.strip().splitlines()[-1])
     result = {
         "shape": args.shape,
         "gguf_bytes": gguf_bytes,
         "write_seconds": written_s,
-        "converted_bytes": converted,
+        "dtype": args.dtype,
+        "loaded_bytes": loaded,
         "peak_rss_bytes": peak,
         "seconds": seconds,
-        "target_bytes": converted + GIB,
-        "within_target": peak <= converted + GIB,
+        "target_bytes": loaded + GIB,
+        "within_target": peak <= loaded + GIB,
     }
-    (args.out / "gguf_convert.json").write_text(json.dumps(result, indent=2))
+    (args.out / "gguf_load.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 
