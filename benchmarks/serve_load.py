@@ -49,6 +49,7 @@ def start_server(args: argparse.Namespace, store: str) -> tuple[subprocess.Popen
     port = free_port()
     cmd = [sys.executable, "-m", "ragblend.cli", "serve", "--model", args.model, "--port"]
     cmd += [str(port), "--store-path", store, "--dtype", args.dtype, "--max-running", "8"]
+    cmd += ["--weights", args.weights]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -203,6 +204,7 @@ def main() -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--served-model", default=None, help="the name to request")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weights", default="auto", choices=("auto", "dequantize"))
     parser.add_argument("--dataset", type=Path, default=DATASET)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=6)

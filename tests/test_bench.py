@@ -101,6 +101,10 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
         assert key in settings
     assert settings["cpu_isa"] == cpu.cpu_isa() and settings["cpu_model"] == cpu.cpu_model()
     assert settings["top_k"] == 2 and settings["n"] == 1 and settings["tier"] == "ram"
+    # the embedded GGUF's Q4_1 / Q8_0 tensors are kept: decode steps read the Q4_1 blocks
+    assert settings["weights"] == "quantized"
+    assert settings["decode_path"] in ("q4_1-native", "q4_1-dequantize")
+    assert 50e6 < settings["weight_bytes"] < 1.2e9  # blocks (+ a dense copy for prefills)
     # dtype "auto" is recorded resolved ("bfloat16" on AMX/AVX512-BF16 CPUs, else "float32").
     assert settings["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")
     assert set(results["modes"]) == {"full", "prefix", "reuse", "blend"}

@@ -15,6 +15,7 @@ import torch
 from ragblend.models.quant_kernels import (
     MAX_ROWS,
     QUANT_TYPES,
+    SCALE_FIELDS,
     QuantKernels,
     block_shape,
     dequantize_reference,
@@ -54,6 +55,50 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype):
         assert got.shape == (37, cols) and got.dtype == torch.float32
         assert torch.equal(got, ref), f"{QUANT_TYPES[qtype]} cols={cols}"
         assert ref.abs().max() > 0  # the blocks are not all zero weights
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+def test_dequantize_is_exact_for_any_finite_f16_scale(qtype):
+    # every scale field a random finite f16 bit pattern: zeros, subnormals, up to 65504
+    blocks, _ = _case(qtype, 64, 512, seed=5)
+    elems, size = block_shape(qtype)
+    view = blocks.view(64, 512 // elems, size)
+    gen = torch.Generator().manual_seed(qtype)
+    for offset in SCALE_FIELDS[qtype]:
+        bits = torch.randint(0, 1 << 16, view.shape[:2], generator=gen, dtype=torch.int32)
+        bits = torch.where((bits >> 10) & 0x1F == 0x1F, bits & 0x83FF, bits)  # no inf / NaN
+        view[:, :, offset : offset + 2] = bits.to(torch.int16).view(torch.uint8).view(64, -1, 2)
+    ref = dequantize_reference(blocks, qtype, 512)
+    assert bool(ref.isfinite().all())
+    assert torch.equal(_kernels().dequantize(blocks, qtype, 512, torch.float32), ref)
+
+
+def test_the_embedded_gguf_tensors_match_gguf():
+    import gguf
+
+    from ragblend.errors import RagblendError
+    from ragblend.models.loading import embedded_gguf_path
+
+    try:
+        reader = gguf.GGUFReader(embedded_gguf_path())
+    except RagblendError as exc:
+        pytest.skip(str(exc))
+    seen = set()
+    for tensor in reader.tensors:
+        qtype = int(tensor.tensor_type)
+        if qtype not in QUANT_TYPES or (qtype, tensor.data.shape) in seen:
+            continue
+        seen.add((qtype, tensor.data.shape))
+        blocks = torch.from_numpy(tensor.data[:1024].copy())  # [rows, row_bytes] as stored
+        cols = gguf.quant_shape_from_byte_shape(tensor.data.shape, tensor.tensor_type)[-1]
+        ref = dequantize_reference(blocks, qtype, cols)
+        assert torch.equal(_kernels().dequantize(blocks, qtype, cols, torch.float32), ref)
+        x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
+        got = _kernels().matmul(x, blocks, qtype, cols, None)
+        assert bool(((got - x @ ref.T).abs() <= matmul_tolerance(x, ref)).all()), tensor.name
+    assert {int(gguf.GGMLQuantizationType.Q4_1), int(gguf.GGMLQuantizationType.Q8_0)} <= {
+        q for q, _ in seen
+    }
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
@@ -159,3 +204,28 @@ def test_random_blocks_have_finite_scales_of_the_asked_size():
         assert bool(dequantize_reference(blocks, qtype, elems * 2).isfinite().all())
     with pytest.raises(ValueError):
         random_blocks(1, 100, 12, torch.Generator())
+
+
+def test_below_avx2_there_are_no_kernels_and_one_warning(monkeypatch, caplog):
+    from ragblend.models import quant_kernels as module
+
+    monkeypatch.setattr(module, "_BUILT", None)
+    monkeypatch.setenv("RAGBLEND_CPU_ISA", "baseline")
+    with caplog.at_level("WARNING", logger=module.__name__):
+        assert module.quant_kernels() is None
+        assert module.quant_kernels() is None
+    warnings = [r for r in caplog.records if r.name == module.__name__]
+    assert len(warnings) == 1 and "avx2" in warnings[0].getMessage()
+
+
+def test_a_failing_check_turns_the_kernels_off(monkeypatch, caplog):
+    from ragblend.models import quant_kernels as module
+
+    def wrong(kernels, qtype):
+        raise RuntimeError(f"{QUANT_TYPES[qtype]} dequantize does not match gguf's bit for bit")
+
+    monkeypatch.setattr(module, "_BUILT", None)
+    monkeypatch.setattr(module, "_check", wrong)
+    with caplog.at_level("WARNING", logger=module.__name__):
+        assert module.quant_kernels() is None
+    assert "does not match" in caplog.text

@@ -51,7 +51,7 @@ NAME = "ragblend_quant"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 
 # byte offsets, within a block, of the f16 fields that scale it (d, and m / dmin)
-_SCALE_FIELDS: dict[int, tuple[int, ...]] = {
+SCALE_FIELDS: dict[int, tuple[int, ...]] = {
     2: (0,),
     3: (0, 2),
     6: (0,),
@@ -99,7 +99,7 @@ def random_blocks(rows: int, cols: int, qtype: int, generator: torch.Generator) 
         raise ValueError(f"cols {cols} is not a multiple of {QUANT_TYPES[qtype]}'s {elems}")
     nblocks = cols // elems
     data = torch.randint(0, 256, (rows, nblocks, size), generator=generator, dtype=torch.uint8)
-    for offset in _SCALE_FIELDS[qtype]:
+    for offset in SCALE_FIELDS[qtype]:
         magnitude = torch.rand(rows, nblocks, generator=generator) * 0.049 + 0.001
         sign = torch.randint(0, 2, (rows, nblocks), generator=generator) * 2 - 1
         scale = (magnitude * sign).to(torch.float16).view(torch.uint8).view(rows, nblocks, 2)
@@ -126,8 +126,7 @@ _BUILT: QuantKernels | str | None = None  # the kernels, or why not
 def _build() -> QuantKernels:
     if not cpu.isa_at_least(LEVEL):
         raise RuntimeError(
-            f"they need CPU level {LEVEL}; this CPU is at level {cpu.cpu_isa()} "
-            f"({cpu.cpu_model()})"
+            f"they need CPU level {LEVEL}; this CPU is at level {cpu.cpu_isa()} ({cpu.cpu_model()})"
         )
     from torch.utils.cpp_extension import load
 

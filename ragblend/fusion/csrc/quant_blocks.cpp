@@ -45,7 +45,7 @@ namespace {
 constexpr int64_t kMaxRows = 16;  // rows of x per matmul call
 constexpr int64_t kChunk = 8;     // rows of x whose accumulators stay in registers together
 constexpr int64_t kRowTile = 4;   // weight rows that share x's columns while they are in L1
-constexpr int64_t kMatmulTask = 16;  // weight rows per task (a multiple of kRowTile)
+constexpr int64_t kMatmulTask = 64;  // weight rows per task (a multiple of kRowTile)
 constexpr int64_t kGroup = 256;   // weights decoded together: one K block, or 8 small blocks
 constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
 
@@ -328,8 +328,9 @@ std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t u = 0; u < cols / 32; ++u) {
       const float* p = x + i * cols + 32 * u;
-      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+      const __m256 s01 = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+      const __m256 s23 = _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
+      const __m256 s = _mm256_add_ps(s01, s23);
       float* dst = sums.data() + (u / 8 * n + i) * kXs<T>;
       if constexpr (T::kElems == 32)
         _mm256_storeu_ps(dst + 8 * (u % 8), s);
@@ -374,9 +375,9 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
     if constexpr (T::kMin) {
       for (int g = 0; g < G; ++g) {
         const float* xsp = xs + g * kXs<T>;
-        if constexpr (T::kElems == 32)
+        if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
           a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(mn + b), _mm256_loadu_ps(xsp + 8 * b), a[g]);
-        else
+        else  // 8 offsets times x's 8 sums
           a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp), a[g]);
       }
     }
@@ -399,6 +400,12 @@ void dot_chunk(int64_t rows, const uint8_t* src, int64_t nb, const float* sc, co
   }
 }
 
+// Prefetches the cache lines of [p, end) into L1; returns where it stopped (end, or p).
+inline const uint8_t* prefetch(const uint8_t* p, const uint8_t* end) {
+  for (; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  return std::max(p, end);
+}
+
 // out[i, r] for weight rows [r0, r1): out [n, rows]; x, xs packed (pack_x, x_sums).
 template <class T>
 void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
@@ -413,11 +420,20 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
     const int64_t tile = std::min(kRowTile, r1 - t0);
     for (int64_t r = 0; r < tile; ++r)
       for (int64_t i = 0; i < n; ++i) acc[r][i] = _mm256_setzero_ps();
+    // A tile's blocks are contiguous. Its decoding is slow enough that the hardware prefetcher
+    // falls behind: while it runs, prefetch the tile after the next one, a group's bytes per
+    // step (and the next one too at the task's start).
+    const uint8_t* next = w + std::min(r1, t0 + kRowTile + tile) * row_bytes;
+    const uint8_t* next_end = w + std::min(r1, t0 + 2 * kRowTile + tile) * row_bytes;
+    if (t0 == r0) prefetch(w + (t0 + tile) * row_bytes, next);
     for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
       const int64_t nb = std::min(per_group, blocks - b0);
       for (int64_t r = 0; r < tile; ++r) {
         const uint8_t* src = w + (t0 + r) * row_bytes + b0 * T::kBytes;
-        for (int64_t b = 0; b < nb; ++b) T::scales(src + b * T::kBytes, sc + b * kSc, mn + b * kMn);
+        const uint8_t* until = std::min(next + per_group * T::kBytes, next_end);
+        next = prefetch(next, until);
+        for (int64_t b = 0; b < nb; ++b)
+          T::scales(src + b * T::kBytes, sc + b * kSc, mn + b * kMn);
         for (int64_t i0 = 0; i0 < n; i0 += kChunk)
           dot_chunk<T>(std::min(kChunk, n - i0), src, nb, sc, mn, x + (g * n + i0) * kGroup,
                        T::kMin ? xs + (g * n + i0) * kXs<T> : nullptr, acc[r] + i0);
@@ -450,8 +466,8 @@ void dispatch(int64_t qtype, F&& f) {
 }
 
 // f(r0, r1) over [0, rows) in tasks of `task` rows, which at::parallel_for's threads take in
-// turn: a thread that the OS holds back leaves its share to the others (with one static split
-// per thread, every call would wait for it). Each row's values do not depend on the split.
+// turn: a thread that starts late or runs slow (a busy machine) leaves more of the work to the
+// others than a static split would. Each row's values do not depend on the split.
 template <class F>
 void for_row_tasks(int64_t rows, int64_t task, const F& f) {
   const int64_t tasks = (rows + task - 1) / task;
