@@ -9,7 +9,9 @@ bookkeeping, output objects), which dominates decode time for small models on CP
 
 Given ragblend's native kernels (:mod:`ragblend.fusion.native`, fp32 on CPU), a step's RoPE
 and RMSNorms are the kernels' (HF's values bit for bit) and the attention of all requests is
-one kernel call that also writes their new K/V; without them, torch's ops per request.
+one kernel call that also writes their new K/V; a bf16 model on CPU runs the same fp32
+attention kernel over decode K/V kept in fp32 (:func:`decode_attention`); elsewhere, torch's
+ops per request.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ragblend.fusion.native import NativeKernels
+from ragblend.fusion.native import DecodeKernel, NativeKernels, native_kernels
 from ragblend.models.adapters import LayerwiseModel
 
 
@@ -43,15 +45,18 @@ class LayerDecoder:
     ):
         self.layers = layers
         self.kernels = kernels
+        self.attend = decode_attention(layers, kernels)
         self.position = (
             max(int(k.shape[-2]) for k, _ in prompt_kv) if position is None else position
         )
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         p = self.position
+        # the native attention is fp32: a bf16 model's decode K/V is kept in fp32 for it
+        dtype = torch.float32 if self.attend is not None else None
         for k, v in prompt_kv:
-            kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
-            vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
+            kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1], dtype=dtype)
+            vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1], dtype=dtype)
             kb[..., p - k.shape[-2] : p, :].copy_(k)
             vb[..., p - v.shape[-2] : p, :].copy_(v)
             self.keys.append(kb)
@@ -115,7 +120,7 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
     kernels = decoders[0].kernels
     norm = m.native_norm(kernels)
-    attend = kernels.decode_attend if kernels is not None else None
+    attend = decoders[0].attend
     for i in range(m.num_layers):
         group = m.rope_group(i)
         if group not in ropes:
@@ -123,16 +128,31 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
         cos, sin = ropes[group]
         proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm)
         window = m.sliding_window(i)
-        if attend is not None and proj.q.dtype == torch.float32:
+        if attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]
-            out = attend(proj.q, proj.k, proj.v, keys, values, positions, window or 0, m.scaling(i))
+            q, k, v = proj.q.float(), proj.k.float(), proj.v.float()
+            out = attend(q, k, v, keys, values, positions, window or 0, m.scaling(i))
+            out = out.to(proj.q.dtype)
         else:
             out = _attend_each(m, i, decoders, positions, proj.q, proj.k, proj.v, window)
         hidden = m.finish(i, hidden, out, norm)
     for d in decoders:
         d.position += 1
     return m.logits(hidden)
+
+
+def decode_attention(layers: LayerwiseModel, kernels: NativeKernels | None) -> DecodeKernel | None:
+    """The native decode-step attention for this model: the fp32 kernels' (fp32 models, and
+    bf16 models on CPU, whose decode K/V is then kept in fp32: torch's CPU SDPA for one bf16
+    query row runs several times slower than the fp32 kernel reads twice the bytes), or None
+    for SDPA per request (other dtypes and devices, or where the fp32 kernels do not run)."""
+    if kernels is not None and kernels.decode_attend is not None:
+        return kernels.decode_attend
+    if layers.dtype != torch.bfloat16 or layers.device.type != "cpu":
+        return None
+    fp32 = native_kernels("auto", torch.float32, layers.device, layers.head_dim)
+    return fp32.decode_attend if fp32 is not None else None
 
 
 def _attend_each(

