@@ -152,7 +152,9 @@ def llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     if not peer.available():
         return {"llamacpp_skipped": "llama-cpp-python is not installed"}
     n_ctx = max(len(p) for p in prompts) + args.decode_tokens + 16
-    setting, _ = peer.best_setting(args.gguf, prompts[:1], n_ctx, repeats=1)
+    # the best of ragblend.bench.llamacpp's four settings on the embedded model on AVX2 and AMX
+    # (benchmarks/results/*/bench_llamacpp): tuning per shape would cost minutes of prefills
+    setting = peer.PeerSetting(n_batch=512, flash_attn=True)
     llm = peer.LlamaCppPeer(args.gguf, n_ctx, setting, threads=torch.get_num_threads())
     try:
         llm.ttft_ms(prompts[0])  # warm-up

@@ -40,9 +40,13 @@ LONG = list(range(300, 340))  # 40 tokens: a prefill (more rows than a decode st
 def _write(family: str, tmp_path, mix=MIX):
     overrides = dict(SIZES)
     if family == "gemma3":
-        overrides |= dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+        overrides |= dict(
+            num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"]
+        )
         overrides |= dict(final_logit_softcapping=None)
-    return write_gguf(tiny_model(family, **overrides), family, tmp_path / f"{family}.gguf", quant=mix)
+    return write_gguf(
+        tiny_model(family, **overrides), family, tmp_path / f"{family}.gguf", quant=mix
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +71,9 @@ def test_kept_blocks_prefill_exactly_as_the_dequantized_model(family, tmp_path):
     # a prefill: the gguf package's values in F.linear, bit for bit
     assert torch.equal(_logits(kept, LONG), _logits(dense, LONG))
     # a decode-sized input runs on the blocks: the same to fp32 rounding
-    torch.testing.assert_close(_logits(kept, LONG[:3]), _logits(dense, LONG[:3]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        _logits(kept, LONG[:3]), _logits(dense, LONG[:3]), atol=1e-4, rtol=1e-4
+    )
     # one fingerprint whether the blocks are kept or not: their chunk caches are the same
     assert model_fingerprint(kept) == model_fingerprint(dense)
 

@@ -160,8 +160,10 @@ def write_random_gguf(shape: str, quant: str, path: Path, seed: int = 0) -> Path
         qtype = gguf.GGMLQuantizationType[type_name]
         elems, size = gguf.GGML_QUANT_SIZES[qtype]
         row_bytes = cols // elems * size
-        shape = (rows, row_bytes)  # bytes: the writer turns them into the type's elements
-        writer.add_tensor_info(name, shape, np.dtype(np.uint8), rows * row_bytes, raw_dtype=qtype)
+        # bytes: the writer turns them into the type's elements
+        writer.add_tensor_info(
+            name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes, raw_dtype=qtype
+        )
     for name, length, _ in vectors:
         writer.add_tensor_info(name, (length,), np.dtype(np.float32), 4 * length)
     writer.write_header_to_file()

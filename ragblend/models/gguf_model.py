@@ -126,7 +126,7 @@ def _keep_blocks(model, processor, names, expected, tensor, dtype, loaded) -> bo
     cols = int(tensor.shape[0])  # ggml's shape is (cols, rows)
     weight = QuantizedWeight(data, int(tensor.tensor_type), cols)
     if isinstance(module, nn.Linear):
-        bias = module.bias  # the file's bias tensor may come before or after the matrix
+        bias: torch.Tensor | None = module.bias  # the file may hold it before or after
         if bias is not None and bias.is_meta:
             bias = torch.zeros(bias.shape, dtype=dtype)  # replaced by the bias tensor's values
         replacement: nn.Module = QuantLinear(weight, bias, dtype)

@@ -124,7 +124,6 @@ def load_model(
         model = load_gguf_model(source, path, resolved, weights)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved)
-    # transformers wraps ``to`` in a decorator whose stub loses the bound ``self``
-    model.to(device).eval()  # type: ignore[arg-type]
+    model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

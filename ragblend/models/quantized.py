@@ -151,7 +151,7 @@ def weight_bytes(model: nn.Module) -> int:
     blocks counted once)."""
     seen: set[int] = set()
     total = 0
-    tensors = list(model.parameters())
+    tensors: list[torch.Tensor] = list(model.parameters())
     tensors += [w.blocks for w in quantized_weights(model).values()]
     for t in tensors:
         if t.data_ptr() not in seen:

@@ -21,8 +21,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     config: Any = model.config
     h.update(config.to_json_string(use_diff=False).encode())
-    weights: dict[str, torch.Tensor | QuantizedWeight] = dict(model.named_parameters())
-    dtype = next(iter(weights.values())).dtype if weights else torch.float32
+    params = dict(model.named_parameters())
+    dtype = next(iter(params.values())).dtype if params else torch.float32
+    weights: dict[str, torch.Tensor | QuantizedWeight] = dict(params)
     shared: set[int] = set()
     for name, weight in quantized_weights(model).items():
         if id(weight.blocks) not in shared:  # a tied LM head is its embedding, counted once
