@@ -154,7 +154,7 @@ def test_an_existing_private_directory_gets_no_warning(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_warmup_cli_into_a_fresh_home_converts_the_embedded_model_privately(tmp_path, dataset):
+def test_warmup_cli_into_a_fresh_home_records_the_embedded_model_privately(tmp_path, dataset):
     """The issue's check: umask 022, ``ragblend warmup`` (embedded model) into a fresh home."""
     home = tmp_path / "home"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAGBLEND_HOME": str(home)}
@@ -170,7 +170,11 @@ def test_warmup_cli_into_a_fresh_home_converts_the_embedded_model_privately(tmp_
     )
     assert proc.returncode == 0, proc.stderr
     modes = assert_private(home)
-    assert "models/SmolLM2-135M-Instruct/model.safetensors" in modes
+    # the GGUF runs as it is: only its config, tokenizer and source record are written
+    recorded = [n for n in modes if n.startswith("models/gguf-") and n.endswith("/source.json")]
+    assert len(recorded) == 1, sorted(modes)
+    assert recorded[0].replace("source.json", "config.json") in modes
+    assert not [n for n in modes if n.endswith(".safetensors") and n.startswith("models/")]
     assert "kv/index/index.db" in modes
     entry_files = [n for n in modes if n.startswith("kv/") and n.endswith(".safetensors")]
     assert len(entry_files) == 2  # one chunk and the prompt head

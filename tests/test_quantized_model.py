@@ -120,7 +120,7 @@ def test_decode_rows_on_blocks_are_identical_alone_and_batched(family, tmp_path)
 def test_types_without_a_kernel_load_dequantized_with_one_log_line(tmp_path, caplog):
     mix = dict(MIX, ffn_up="TQ2_0")  # ternary: no kernel for it
     path = _write("llama", tmp_path, mix)
-    with caplog.at_level(logging.INFO, logger="ragblend.models.gguf"):
+    with caplog.at_level(logging.INFO, logger="ragblend.models"):
         model, _ = load_model(path, dtype="float32")
     lines = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
     assert len(lines) == 1 and "TQ2_0" in lines[0]

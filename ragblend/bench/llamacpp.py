@@ -2,8 +2,9 @@
 
 Optional (``pip install -e ".[peer]"``, which builds llama-cpp-python from source). The peer gets
 exactly the token ids ragblend prefills (the piecewise-tokenised prompt), never text, and starts
-every measurement from an empty KV cache. Its AMX buffer types are off (``use_extra_bufts=False``):
-that path segfaults on these CPUs (upstream llama.cpp #20824).
+every measurement from an empty KV cache. llama.cpp's extra buffer types (weights repacked for
+the CPU's SIMD width at load, its fastest CPU path) are on, except on a CPU with AMX, where its AMX
+buffer type segfaults (upstream llama.cpp #20824): there ``use_extra_bufts=False``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ragblend import cpu
 from ragblend.errors import RagblendError
 
 # (n_batch, flash_attn) pairs tried per model; the best median over the first prompts is kept.
 SETTINGS: tuple[tuple[int, bool], ...] = ((512, False), (512, True), (2048, False), (2048, True))
+
+
+def use_extra_buffer_types() -> bool:
+    """Whether llama.cpp may repack weights into its extra buffer types: everywhere but on a
+    CPU with AMX tiles (whatever ``RAGBLEND_CPU_ISA`` caps ragblend at: llama.cpp is not capped)."""
+    return cpu.native_level() != "amx"
 
 
 def available() -> bool:
@@ -71,7 +79,10 @@ class LlamaCppPeer:
             verbose=False,
         )
         self.setting = setting
-        if "use_extra_bufts" in inspect.signature(Llama.__init__).parameters:
+        self._prefilled: tuple[int, ...] | None = None  # the ids the context holds, if known
+        if use_extra_buffer_types():
+            self.llm = Llama(**kwargs)
+        elif "use_extra_bufts" in inspect.signature(Llama.__init__).parameters:
             self.llm = Llama(**kwargs, use_extra_bufts=False)
         else:  # 0.3.36 has the field in llama_model_params but not as a Llama() argument
             with _no_extra_buffer_types():
@@ -83,6 +94,7 @@ class LlamaCppPeer:
         start = time.perf_counter()
         self.llm.reset()  # n_tokens = 0: eval() drops every cached position before decoding
         self.llm.eval(ids)
+        self._prefilled = tuple(ids)
         # without logits_all, llama-cpp-python keeps no scores: read the last row from the context
         import numpy as np
 
@@ -92,11 +104,14 @@ class LlamaCppPeer:
 
     def decode_tok_s(self, ids: Sequence[int], tokens: int) -> float:
         """Greedy decode rate after a full prefill of ``ids``: ``tokens`` single-token evals
-        (each feeding the previous argmax), timed from the first to the last."""
+        (each feeding the previous argmax), timed from the first to the last. The prefill is the
+        one :meth:`ttft_ms` left when it was the last call, on the same ids."""
         import numpy as np
 
-        self.llm.reset()
-        self.llm.eval([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if self._prefilled != tuple(ids):
+            self.ttft_ms(ids)
+        self._prefilled = None  # the evals below extend the context
         vocab = self.llm.n_vocab()
         token = int(
             np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(vocab,)).argmax()
@@ -191,5 +206,5 @@ def run_peer(
         "median_ttft_ms": statistics.median(per_question),
         "setting": {"n_batch": setting.n_batch, "flash_attn": setting.flash_attn},
         "tuning": tuning,
-        "use_extra_bufts": False,
+        "use_extra_bufts": use_extra_buffer_types(),
     }
