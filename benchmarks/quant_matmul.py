@@ -99,6 +99,7 @@ def main() -> None:
         "repeats": args.repeats,
         "cpu": cpu.cpu_model(),
         "cpu_isa": cpu.cpu_isa(),
+        "kernel_build": kernels.level if (kernels := quant_kernels()) else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "types": {name: QUANT_TYPES[qtype] for name, qtype in TYPES.items()},

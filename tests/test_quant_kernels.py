@@ -229,3 +229,32 @@ def test_a_failing_check_turns_the_kernels_off(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=module.__name__):
         assert module.quant_kernels() is None
     assert "does not match" in caplog.text
+
+
+def test_the_widest_build_the_cpu_level_allows_is_used():
+    from ragblend import cpu
+    from ragblend.models.quant_kernels import BUILDS
+
+    allowed = [b.level for b in BUILDS if cpu.isa_at_least(b.level)]
+    assert _kernels().level == allowed[0]
+
+
+def test_a_failing_wider_build_falls_back_to_the_next_with_one_warning(monkeypatch, caplog):
+    from ragblend.models import quant_kernels as module
+
+    checked = module._check
+
+    def wrong_when_wide(kernels, qtype):
+        if kernels.level != module.LEVEL:
+            raise RuntimeError(f"{QUANT_TYPES[qtype]} matmul does not match x @ dequantize(w).T")
+        checked(kernels, qtype)
+
+    monkeypatch.setattr(module, "_BUILT", None)
+    monkeypatch.setattr(module, "_check", wrong_when_wide)
+    with caplog.at_level("WARNING", logger=module.__name__):
+        kernels = module.quant_kernels()
+    assert kernels is not None and kernels.level == module.LEVEL
+    wide = [b for b in module.BUILDS[:-1] if module.cpu.isa_at_least(b.level)]
+    warnings = [r for r in caplog.records if r.name == module.__name__]
+    assert len(warnings) == len(wide)
+    assert all("using the next build" in r.getMessage() for r in warnings)

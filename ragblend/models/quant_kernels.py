@@ -3,7 +3,8 @@
 A quantized weight is ggml's blocks as a GGUF file stores them: a uint8 tensor
 ``[rows, row_bytes]`` (``gguf.GGUFReader(...).tensors[i].data``), each row ``cols`` weights in
 ``cols / block_elems`` consecutive blocks of one of :data:`QUANT_TYPES`.
-``ragblend/fusion/csrc/quant_blocks.cpp`` (AVX2 + FMA + F16C) has two ops on them:
+``ragblend/fusion/csrc/quant_blocks.cpp`` (built for AVX2 + FMA + F16C, and for AVX512 where the
+CPU level has it: a matmul twice as wide) has two ops on them:
 
 - ``dequantize(blocks, qtype, cols, dtype) -> [rows, cols]``: float32 values equal to the gguf
   package's ``gguf.dequantize`` bit for bit (the same float32 products and sums in the same
@@ -13,10 +14,13 @@ A quantized weight is ggml's blocks as a GGUF file stores them: a uint8 tensor
   reading each weight block once for all n rows (a decode step's projection). Each output row
   is the same bit for bit whatever n (a request decoded in a batch gets what it gets alone).
 
-:func:`quant_kernels` builds them once per process and checks them on random blocks of every
-type against :func:`dequantize_reference` (the gguf package, also the fallback) before use;
-``None`` (with one warning per process) where the CPU is below the ``avx2`` level
-(:mod:`ragblend.cpu`) or the build or a check fails.
+:func:`quant_kernels` builds them once per process, for the highest of :data:`BUILDS` the CPU
+level allows (:mod:`ragblend.cpu`), and checks them on random blocks of every type against
+:func:`dequantize_reference` (the gguf package, also the fallback) before use. A wider build that
+fails falls back to the next with one warning; ``None`` (with one warning per process) where the
+CPU is below the ``avx2`` level or the AVX2 build or a check fails. Each build's rows are the
+same alone and batched; the AVX512 build sums in another order than the AVX2 one (both to
+float32 rounding of the dense result).
 """
 
 from __future__ import annotations
@@ -45,10 +49,29 @@ QUANT_TYPES: dict[int, str] = {
     14: "Q6_K",
 }
 MAX_ROWS = 16  # rows of x per matmul call
-LEVEL = "avx2"
 CSRC = Path(__file__).resolve().parents[1] / "fusion" / "csrc"
-NAME = "ragblend_quant"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
+_AVX2 = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
+
+
+class Build(NamedTuple):
+    """One compiled variant of quant_blocks.cpp: the CPU level it needs, its op namespace."""
+
+    level: str
+    name: str
+    flags: tuple[str, ...]
+
+
+# widest first; quant_kernels() takes the first one the CPU level allows that builds and checks
+BUILDS: tuple[Build, ...] = (
+    Build(
+        "avx512",
+        "ragblend_quant512",
+        (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+        + ("-DRAGBLEND_QUANT_512", "-DRAGBLEND_QUANT_NS=ragblend_quant512"),
+    ),
+    Build("avx2", "ragblend_quant", _AVX2),
+)
+LEVEL = BUILDS[-1].level  # the least the kernels need
 
 # byte offsets, within a block, of the f16 fields that scale it (d, and m / dmin)
 SCALE_FIELDS: dict[int, tuple[int, ...]] = {
@@ -71,6 +94,7 @@ class QuantKernels(NamedTuple):
 
     dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor]
     matmul: Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor]
+    level: str  # the CPU level of the build these are
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -108,26 +132,41 @@ def random_blocks(rows: int, cols: int, qtype: int, generator: torch.Generator) 
 
 
 def quant_kernels() -> QuantKernels | None:
-    """The checked kernels, built once per process; None where the CPU is below the ``avx2``
-    level or the build or a check fails (one warning per process says why)."""
+    """The checked kernels of the widest build the CPU level allows, built once per process;
+    None where the CPU is below the ``avx2`` level or the AVX2 build or a check fails (one
+    warning per process says why; a wider build's failure is one warning too)."""
     global _BUILT
     if _BUILT is None:
-        try:
-            _BUILT = _build()
-        except Exception as exc:  # compiler missing or failing, or a check: the message says
-            _BUILT = str(exc)
-            log.warning("ragblend's native quantized-weight kernels are off: %s", exc)
+        _BUILT = _first_build()
     return _BUILT if isinstance(_BUILT, QuantKernels) else None
 
 
 _BUILT: QuantKernels | str | None = None  # the kernels, or why not
 
 
-def _build() -> QuantKernels:
+def _first_build() -> QuantKernels | str:
     if not cpu.isa_at_least(LEVEL):
-        raise RuntimeError(
-            f"they need CPU level {LEVEL}; this CPU is at level {cpu.cpu_isa()} ({cpu.cpu_model()})"
-        )
+        why = f"they need CPU level {LEVEL}; this CPU is at {cpu.cpu_isa()} ({cpu.cpu_model()})"
+        log.warning("ragblend's native quantized-weight kernels are off: %s", why)
+        return why
+    for build in BUILDS:
+        if not cpu.isa_at_least(build.level):
+            continue
+        try:
+            return _build(build)
+        except Exception as exc:  # compiler missing or failing, or a check: the message says
+            if build is BUILDS[-1]:
+                log.warning("ragblend's native quantized-weight kernels are off: %s", exc)
+                return str(exc)
+            log.warning(
+                "ragblend's %s quantized-weight kernels are off (%s); using the next build",
+                build.level,
+                exc,
+            )
+    raise AssertionError("unreachable: the last build is the least level")
+
+
+def _build(build: Build) -> QuantKernels:
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:
@@ -136,15 +175,15 @@ def _build() -> QuantKernels:
         import ninja
 
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    log.info("loading ragblend's quantized-weight kernels (compiled once per machine)")
+    log.info("loading ragblend's %s quantized-weight kernels (compiled once)", build.level)
     load(
-        name=NAME,
+        name=build.name,
         sources=[str(CSRC / "quant_blocks.cpp")],
-        extra_cflags=list(FLAGS),
+        extra_cflags=list(build.flags),
         is_python_module=False,
     )
-    ops = getattr(torch.ops, NAME)
-    kernels = QuantKernels(ops.dequantize, ops.matmul)
+    ops = getattr(torch.ops, build.name)
+    kernels = QuantKernels(ops.dequantize, ops.matmul, build.level)
     for qtype in QUANT_TYPES:
         _check(kernels, qtype)
     return kernels

@@ -5,6 +5,10 @@
 // the types below (ggml type ids Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13,
 // Q6_K 14).
 //
+// Built twice: for AVX2 + FMA + F16C, and with -DRAGBLEND_QUANT_512 for AVX512 F/BW/VL/DQ, where
+// `matmul` converts and multiplies 16 weights per instruction (its own op namespace). Both
+// decode blocks with the same 256-bit code; `dequantize` is the same in both.
+//
 // Each block decodes into one scale per span of 16 or 32 weights (`sc`), for the types with a
 // minimum one offset per 32 weights (`mn`), and its quants, 32 at a time, as small integers in
 // float32 lanes (`q`): weight = sc * q + mn. The quants come out as q * 2^24 (vpshufb puts
@@ -39,6 +43,11 @@
 #include <optional>
 #include <utility>
 #include <vector>
+
+// The op namespace: ragblend_quant for the AVX2 build, another for a wider one (its -D flag).
+#ifndef RAGBLEND_QUANT_NS
+#define RAGBLEND_QUANT_NS ragblend_quant
+#endif
 
 namespace {
 
@@ -107,16 +116,17 @@ inline __m256i bits16_x10(const uint8_t* p) {
 
 // Per type: kElems weights in kBytes bytes, a scale per kSpan weights, kMin: an offset per 32.
 // scales(block, sc, mn): sc[kElems / kSpan] (times 2^-24), mn[kElems / 32];
-// quants<U>(block, q): weights [32 U, 32 U + 32) as 4 x 8 lanes of q * 2^24.
+// bytes<U>(block, v): weights [32 U, 32 U + 16) and [32 U + 16, 32 U + 32) as int8 quants,
+// 16 in v[0] and 16 in v[1], each the same in both 128-bit lanes.
 struct Q4_0 {  // d * (q - 8)
   static constexpr int kElems = 32, kBytes = 18, kSpan = 32;
   static constexpr bool kMin = false;
   static void scales(const uint8_t* b, float* sc, float*) { sc[0] = f16(b) * kQ; }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
-    const __m256i v = bcast16(b + 2), e8 = _mm256_set1_epi8(8);
-    bytes16_to_f(_mm256_sub_epi8(and_(v, 0x0F), e8), q);
-    bytes16_to_f(_mm256_sub_epi8(and_(shift<-4>(v), 0x0F), e8), q + 2);
+  static void bytes(const uint8_t* b, __m256i* v) {
+    const __m256i w = bcast16(b + 2), e8 = _mm256_set1_epi8(8);
+    v[0] = _mm256_sub_epi8(and_(w, 0x0F), e8);
+    v[1] = _mm256_sub_epi8(and_(shift<-4>(w), 0x0F), e8);
   }
 };
 
@@ -128,10 +138,10 @@ struct Q4_1 {  // (d * q) + m
     mn[0] = f16(b + 2);
   }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
-    const __m256i v = bcast16(b + 4);
-    bytes16_to_f(and_(v, 0x0F), q);
-    bytes16_to_f(and_(shift<-4>(v), 0x0F), q + 2);
+  static void bytes(const uint8_t* b, __m256i* v) {
+    const __m256i w = bcast16(b + 4);
+    v[0] = and_(w, 0x0F);
+    v[1] = and_(shift<-4>(w), 0x0F);
   }
 };
 
@@ -140,12 +150,10 @@ struct Q5_0 {  // d * ((ql | qh << 4) - 16)
   static constexpr bool kMin = false;
   static void scales(const uint8_t* b, float* sc, float*) { sc[0] = f16(b) * kQ; }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
-    const __m256i v = bcast16(b + 6), e16 = _mm256_set1_epi8(16);
-    bytes16_to_f(_mm256_sub_epi8(_mm256_or_si256(and_(v, 0x0F), bits16_x10<0>(b + 2)), e16), q);
-    bytes16_to_f(
-        _mm256_sub_epi8(_mm256_or_si256(and_(shift<-4>(v), 0x0F), bits16_x10<1>(b + 2)), e16),
-        q + 2);
+  static void bytes(const uint8_t* b, __m256i* v) {
+    const __m256i w = bcast16(b + 6), e16 = _mm256_set1_epi8(16);
+    v[0] = _mm256_sub_epi8(_mm256_or_si256(and_(w, 0x0F), bits16_x10<0>(b + 2)), e16);
+    v[1] = _mm256_sub_epi8(_mm256_or_si256(and_(shift<-4>(w), 0x0F), bits16_x10<1>(b + 2)), e16);
   }
 };
 
@@ -157,10 +165,10 @@ struct Q5_1 {  // (d * (ql | qh << 4)) + m
     mn[0] = f16(b + 2);
   }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
-    const __m256i v = bcast16(b + 8);
-    bytes16_to_f(_mm256_or_si256(and_(v, 0x0F), bits16_x10<0>(b + 4)), q);
-    bytes16_to_f(_mm256_or_si256(and_(shift<-4>(v), 0x0F), bits16_x10<1>(b + 4)), q + 2);
+  static void bytes(const uint8_t* b, __m256i* v) {
+    const __m256i w = bcast16(b + 8);
+    v[0] = _mm256_or_si256(and_(w, 0x0F), bits16_x10<0>(b + 4));
+    v[1] = _mm256_or_si256(and_(shift<-4>(w), 0x0F), bits16_x10<1>(b + 4));
   }
 };
 
@@ -169,9 +177,9 @@ struct Q8_0 {  // q * d
   static constexpr bool kMin = false;
   static void scales(const uint8_t* b, float* sc, float*) { sc[0] = f16(b) * kQ; }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
-    bytes16_to_f(bcast16(b + 2), q);
-    bytes16_to_f(bcast16(b + 18), q + 2);
+  static void bytes(const uint8_t* b, __m256i* v) {
+    v[0] = bcast16(b + 2);
+    v[1] = bcast16(b + 18);
   }
 };
 
@@ -200,10 +208,10 @@ struct Q4_K {  // (d * sc) * q - dmin * m; 32 bytes of qs: sub-block 2i low nibb
   static constexpr bool kMin = true;
   static void scales(const uint8_t* b, float* sc, float* mn) { k_scales(b, sc, mn); }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
+  static void bytes(const uint8_t* b, __m256i* v) {
     const uint8_t* p = b + 16 + 32 * (U / 2);
-    bytes16_to_f(and_(shift<-4 * (U % 2)>(bcast16(p)), 0x0F), q);
-    bytes16_to_f(and_(shift<-4 * (U % 2)>(bcast16(p + 16)), 0x0F), q + 2);
+    v[0] = and_(shift<-4 * (U % 2)>(bcast16(p)), 0x0F);
+    v[1] = and_(shift<-4 * (U % 2)>(bcast16(p + 16)), 0x0F);
   }
 };
 
@@ -212,14 +220,14 @@ struct Q5_K {  // as Q4_K, with bit U of qh[l] the fifth bit of sub-block U's we
   static constexpr bool kMin = true;
   static void scales(const uint8_t* b, float* sc, float* mn) { k_scales(b, sc, mn); }
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
+  static void bytes(const uint8_t* b, __m256i* v) {
     const uint8_t* p = b + 48 + 32 * (U / 2);
     const __m256i l0 = and_(shift<-4 * (U % 2)>(bcast16(p)), 0x0F);
     const __m256i l1 = and_(shift<-4 * (U % 2)>(bcast16(p + 16)), 0x0F);
     const __m256i h0 = and_(shift<4 - U>(bcast16(b + 16)), 0x10);
     const __m256i h1 = and_(shift<4 - U>(bcast16(b + 32)), 0x10);
-    bytes16_to_f(_mm256_or_si256(l0, h0), q);
-    bytes16_to_f(_mm256_or_si256(l1, h1), q + 2);
+    v[0] = _mm256_or_si256(l0, h0);
+    v[1] = _mm256_or_si256(l1, h1);
   }
 };
 
@@ -235,7 +243,7 @@ struct Q6_K {  // (d * sc) * ((ql | qh << 4) - 32), a scale per 16 weights
   }
   // weights 128 h + 32 t + l: ql[64 h + 32 (t % 2) + l] nibble t / 2, qh[32 h + l] bits 2t, 2t+1
   template <int U>
-  static void quants(const uint8_t* b, __m256* q) {
+  static void bytes(const uint8_t* b, __m256i* v) {
     constexpr int h = U / 4, t = U % 4;
     const uint8_t* ql = b + 64 * h + 32 * (t % 2);
     const uint8_t* qh = b + 128 + 32 * h;
@@ -244,10 +252,19 @@ struct Q6_K {  // (d * sc) * ((ql | qh << 4) - 32), a scale per 16 weights
                                        and_(shift<4 - 2 * t>(bcast16(qh)), 0x30));
     const __m256i v1 = _mm256_or_si256(and_(shift<-4 * (t / 2)>(bcast16(ql + 16)), 0x0F),
                                        and_(shift<4 - 2 * t>(bcast16(qh + 16)), 0x30));
-    bytes16_to_f(_mm256_sub_epi8(v0, e32), q);
-    bytes16_to_f(_mm256_sub_epi8(v1, e32), q + 2);
+    v[0] = _mm256_sub_epi8(v0, e32);
+    v[1] = _mm256_sub_epi8(v1, e32);
   }
 };
+
+// Weights [32 U, 32 U + 32) of a block of type T as 4 x 8 float32 lanes of q * 2^24.
+template <class T, int U>
+inline void quants(const uint8_t* b, __m256* q) {
+  __m256i v[2];
+  T::template bytes<U>(b, v);
+  bytes16_to_f(v[0], q);
+  bytes16_to_f(v[1], q + 2);
+}
 
 // float32 -> bfloat16 rounded to nearest even, as torch's c10::BFloat16 (NaN -> 0x7FC0)
 inline __m256i bf16_bits(__m256 v) {
@@ -277,7 +294,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r0,
       T::scales(src, sc, mn);
       unroll<T::kElems / 32>([&](auto U) {
         __m256 q[4];
-        T::template quants<U>(src, q);
+        quants<T, U>(src, q);
         for (int k = 0; k < 4; ++k) {
           q[k] = _mm256_mul_ps(_mm256_set1_ps(sc[(32 * U + 8 * k) / T::kSpan]), q[k]);
           if constexpr (T::kMin) q[k] = _mm256_add_ps(q[k], _mm256_set1_ps(mn[U]));
@@ -300,6 +317,38 @@ inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// A (x row, weight row) pair's accumulator: 8 float32 lanes, or 16 in the AVX512 build
+// (RAGBLEND_QUANT_512), which decodes the same bytes but converts and multiplies 16 at a time.
+#ifdef RAGBLEND_QUANT_512
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline float acc_sum(__m512 v) {  // fixed order: halves, then as hsum
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+inline __m512 widen(__m256 v) { return _mm512_insertf32x8(_mm512_setzero_ps(), v, 0); }
+
+// vpshufb pattern: 128-bit lane k moves byte 4k + j to the top byte of its 32-bit lane j
+struct Pick512 {
+  alignas(64) int8_t b[64];
+};
+constexpr Pick512 make_pick512() {
+  Pick512 p{};
+  for (int i = 0; i < 64; ++i) p.b[i] = i % 4 == 3 ? int8_t(4 * (i / 16) + (i % 16) / 4) : -128;
+  return p;
+}
+constexpr Pick512 kPick512 = make_pick512();
+
+// 16 quants as int8 (v's low 128-bit lane) -> 16 float32 lanes of q * 2^24
+inline __m512 bytes16_to_f512(__m256i v, __m512i pick) {
+  const __m512i all = _mm512_broadcast_i32x4(_mm256_castsi256_si128(v));
+  return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(all, pick));
+}
+#else
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(__m256 v) { return hsum(v); }
+#endif
 
 // x [n, cols] repacked by groups of 256 columns, [groups][n][256] (a short last group
 // zero-padded), so that one group of all n rows is contiguous; and x's sums that an offset
@@ -343,9 +392,51 @@ std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
 // G rows of x (x [G][256], one group packed) against the group's `nb` blocks of one weight
 // row (src), whose scales are sc, mn: acc[0..G) += their dot products, in 8 lanes. xs: the
 // group's sums of x, [G][kXs].
+#ifdef RAGBLEND_QUANT_512
 template <class T, int G>
 void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn, const float* x,
-               const float* xs, __m256* acc) {
+               const float* xs, Acc* acc) {
+  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  const __m512i pick = _mm512_load_si512(kPick512.b);
+  __m512 a[G];
+  for (int g = 0; g < G; ++g) a[g] = acc[g];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = src + b * T::kBytes;
+    unroll<T::kElems / 32>([&](auto U) {
+      __m256i v[2];
+      T::template bytes<U>(blk, v);
+      const __m512 q0 = bytes16_to_f512(v[0], pick), q1 = bytes16_to_f512(v[1], pick);
+      for (int g = 0; g < G; ++g) {
+        const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
+        if constexpr (T::kSpan == 32) {
+          __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xp), q0);
+          t = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), q1, t);
+          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[b * kSc + U]), t, a[g]);
+        } else {
+          const __m512 t0 = _mm512_mul_ps(_mm512_loadu_ps(xp), q0);
+          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[b * kSc + 2 * U]), t0, a[g]);
+          const __m512 t1 = _mm512_mul_ps(_mm512_loadu_ps(xp + 16), q1);
+          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[b * kSc + 2 * U + 1]), t1, a[g]);
+        }
+      }
+    });
+    if constexpr (T::kMin) {
+      for (int g = 0; g < G; ++g) {
+        const float* xsp = xs + g * kXs<T>;
+        if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
+          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(mn[b]), widen(_mm256_loadu_ps(xsp + 8 * b)), a[g]);
+        else  // 8 offsets times x's 8 sums
+          a[g] = _mm512_fmadd_ps(widen(_mm256_loadu_ps(mn + b * kMn)),
+                                 widen(_mm256_loadu_ps(xsp)), a[g]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) acc[g] = a[g];
+}
+#else
+template <class T, int G>
+void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn, const float* x,
+               const float* xs, Acc* acc) {
   constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
   __m256 a[G];
   for (int g = 0; g < G; ++g) a[g] = acc[g];
@@ -353,7 +444,7 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
     const uint8_t* blk = src + b * T::kBytes;
     unroll<T::kElems / 32>([&](auto U) {
       __m256 q[4];
-      T::template quants<U>(blk, q);
+      quants<T, U>(blk, q);
       for (int g = 0; g < G; ++g) {
         const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
         if constexpr (T::kSpan == 32) {
@@ -384,10 +475,11 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
   }
   for (int g = 0; g < G; ++g) acc[g] = a[g];
 }
+#endif
 
 template <class T>
 void dot_chunk(int64_t rows, const uint8_t* src, int64_t nb, const float* sc, const float* mn,
-               const float* x, const float* xs, __m256* acc) {
+               const float* x, const float* xs, Acc* acc) {
   switch (rows) {
     case 1: return dot_group<T, 1>(src, nb, sc, mn, x, xs, acc);
     case 2: return dot_group<T, 2>(src, nb, sc, mn, x, xs, acc);
@@ -414,12 +506,12 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
   constexpr int64_t per_group = kGroup / T::kElems;
   constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
   alignas(32) float sc[per_group * kSc], mn[per_group * kMn];
-  alignas(32) __m256 acc[kRowTile][kMaxRows];
+  alignas(64) Acc acc[kRowTile][kMaxRows];
   const int64_t blocks = cols / T::kElems;
   for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
     const int64_t tile = std::min(kRowTile, r1 - t0);
     for (int64_t r = 0; r < tile; ++r)
-      for (int64_t i = 0; i < n; ++i) acc[r][i] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) acc[r][i] = acc_zero();
     // A tile's blocks are contiguous. Its decoding is slow enough that the hardware prefetcher
     // falls behind: while it runs, prefetch the tile after the next one, a group's bytes per
     // step (and the next one too at the task's start).
@@ -441,7 +533,7 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
     }
     for (int64_t r = 0; r < tile; ++r)
       for (int64_t i = 0; i < n; ++i) {
-        float v = hsum(acc[r][i]);
+        float v = acc_sum(acc[r][i]);
         if (bias != nullptr) v += bias[t0 + r];
         out[i * rows + t0 + r] = v;
       }
@@ -562,12 +654,12 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(ragblend_quant, m) {
+TORCH_LIBRARY_FRAGMENT(RAGBLEND_QUANT_NS, m) {
   m.def("dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype) -> Tensor");
   m.def("matmul(Tensor x, Tensor blocks, int qtype, int cols, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ragblend_quant, CPU, m) {
+TORCH_LIBRARY_IMPL(RAGBLEND_QUANT_NS, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("matmul", &matmul);
 }
