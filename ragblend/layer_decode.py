@@ -10,8 +10,8 @@ bookkeeping, output objects), which dominates decode time for small models on CP
 Given ragblend's native kernels (:mod:`ragblend.fusion.native`, fp32 on CPU), a step's RoPE
 and RMSNorms are the kernels' (HF's values bit for bit) and the attention of all requests is
 one kernel call that also writes their new K/V; a bf16 model on CPU runs the same fp32
-attention kernel over decode K/V kept in fp32 (:func:`decode_attention`); elsewhere, torch's
-ops per request.
+attention kernel over its bf16 K/V, widened to fp32 as it is read (:func:`decode_attention`);
+elsewhere, torch's ops per request.
 """
 
 from __future__ import annotations
@@ -52,11 +52,9 @@ class LayerDecoder:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         p = self.position
-        # the native attention is fp32: a bf16 model's decode K/V is kept in fp32 for it
-        dtype = torch.float32 if self.attend is not None else None
         for k, v in prompt_kv:
-            kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1], dtype=dtype)
-            vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1], dtype=dtype)
+            kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
+            vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
             kb[..., p - k.shape[-2] : p, :].copy_(k)
             vb[..., p - v.shape[-2] : p, :].copy_(v)
             self.keys.append(kb)
@@ -131,7 +129,8 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
         if attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]
-            q, k, v = proj.q.float(), proj.k.float(), proj.v.float()
+            kv_dtype = keys[0].dtype  # the kernel reads fp32 or bf16 K/V, computes in fp32
+            q, k, v = proj.q.float(), proj.k.to(kv_dtype), proj.v.to(kv_dtype)
             out = attend(q, k, v, keys, values, positions, window or 0, m.scaling(i))
             out = out.to(proj.q.dtype)
         else:
@@ -144,9 +143,9 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
 
 def decode_attention(layers: LayerwiseModel, kernels: NativeKernels | None) -> DecodeKernel | None:
     """The native decode-step attention for this model: the fp32 kernels' (fp32 models, and
-    bf16 models on CPU, whose decode K/V is then kept in fp32: torch's CPU SDPA for one bf16
-    query row runs several times slower than the fp32 kernel reads twice the bytes), or None
-    for SDPA per request (other dtypes and devices, or where the fp32 kernels do not run)."""
+    bf16 models on CPU, whose bf16 K/V it reads as they are and computes on in fp32: torch's
+    CPU SDPA for one bf16 query row runs several times slower), or None for SDPA per request
+    (other dtypes and devices, or where the fp32 kernels do not run)."""
     if kernels is not None and kernels.decode_attend is not None:
         return kernels.decode_attend
     if layers.dtype != torch.bfloat16 or layers.device.type != "cpu":

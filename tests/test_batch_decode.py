@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import FAMILIES, engine_for, tiny_model
 
-from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.layer_decode import LayerDecoder, decode_attention, decode_batch
 from ragblend.models.packed import cpu_packs, pack_decode_linears
 
 PROMPTS = ["Hello there, how are you", "The capital of France is a city", "1 2 3 4 5 6 7 8 9"]
@@ -97,6 +97,8 @@ def test_packed_native_decode_steps_batched_equal_alone_bit_for_bit_and_torch_to
         started = [start(engine, ids, steps) for ids in decoding_together]
         for decoder, _ in started:
             decoder.kernels = kernels if native else None
+            decoder.attend = decode_attention(engine.layers, decoder.kernels)
+            assert (decoder.attend is not None) == native
         return greedy(engine, [d for d, _ in started], [f for _, f in started], steps)
 
     alone = [run([ids], native=True) for ids in prompts]
@@ -108,3 +110,37 @@ def test_packed_native_decode_steps_batched_equal_alone_bit_for_bit_and_torch_to
     assert plain == together
     for got, want in zip(logits, plain_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_decode_reads_bf16_kv_and_gives_what_fp32_buffers_of_its_values_give(
+    family, tokenizer
+):
+    """A bf16 model's decode K/V stays bf16 (half the bytes a step reads); the native attention
+    widens each element exactly, so its logits equal those over fp32 copies bit for bit."""
+    model = tiny_model(family, dtype=torch.bfloat16, **WINDOWS.get(family, {}))
+    engine = engine_for(model, tokenizer, dtype="bfloat16")
+    if decode_attention(engine.layers, engine.native) is None:
+        pytest.skip("no native fp32 kernels (CPU level below avx2, or no compiler)")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    steps = 10
+
+    def decoders(ids_list, widen: bool):
+        out, firsts = [], []
+        for ids in ids_list:
+            pre = engine.full_prefill(ids)
+            total = len(ids) + steps + 1
+            d = LayerDecoder.for_cache(engine.layers, pre.cache, len(ids), total, engine.native)
+            assert d is not None and d.attend is not None
+            assert all(k.dtype == torch.bfloat16 for k in d.keys + d.values)
+            if widen:
+                d.keys = [k.float() for k in d.keys]
+                d.values = [v.float() for v in d.values]
+            out.append(d)
+            firsts.append(int(pre.logits.argmax()))
+        return out, firsts
+
+    bf16_ids, bf16_logits = greedy(engine, *decoders(prompts, widen=False), steps)
+    fp32_ids, fp32_logits = greedy(engine, *decoders(prompts, widen=True), steps)
+    assert bf16_ids == fp32_ids
+    assert all(torch.equal(a, b) for a, b in zip(bf16_logits, fp32_logits))

@@ -238,7 +238,8 @@ def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
 def _check_decode(attend: DecodeKernel) -> None:
     """RagblendError unless the decode attention writes each request's new K/V at its
     position and gives SDPA's attention over its keys (a window on, GQA, two requests of
-    different lengths, one over several key blocks) to fp32 rounding."""
+    different lengths, one over several key blocks) to fp32 rounding; and, over bf16 K/V, the
+    same output bit for bit as over those values in fp32, its new bf16 K/V written as given."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 2, 32, generator=gen)
     k_new, v_new = torch.randn(2, 1, 2, 2, 32, generator=gen)
@@ -259,11 +260,19 @@ def _check_decode(attend: DecodeKernel) -> None:
                 enable_gqa=True,
             )
         )
+    bf16 = [[t.bfloat16() for t in ts] for ts in (keys, values)]
     got = attend(q, k_new, v_new, keys, values, positions, window, 0.2)
     ref = torch.cat(want, dim=2).transpose(1, 2).reshape(1, 2, -1)
     written = all(torch.equal(keys[b][:, :, p], k_new[:, :, b]) for b, p in enumerate(positions))
     if not written or not torch.allclose(got, ref, atol=1e-5, rtol=1e-4):
         raise RagblendError("the native fp32 decode attention does not match SDPA's")
+    k16, v16 = k_new.bfloat16(), v_new.bfloat16()
+    got16 = attend(q, k16, v16, bf16[0], bf16[1], positions, window, 0.2)
+    widened = [[t.float() for t in ts] for ts in bf16]
+    same = attend(q, k16.float(), v16.float(), widened[0], widened[1], positions, window, 0.2)
+    written = all(torch.equal(bf16[0][b][:, :, p], k16[:, :, b]) for b, p in enumerate(positions))
+    if not written or not torch.equal(got16, same):
+        raise RagblendError("the native decode attention over bf16 K/V differs from fp32's")
 
 
 def _rms_norm_if_exact(

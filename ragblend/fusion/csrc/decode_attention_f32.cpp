@@ -1,6 +1,9 @@
 // One decode step's attention for a batch of requests, each over its own K/V buffer.
 //
-// CPU, float32, AVX2 + FMA (at::vec's 8-lane code). Each request b feeds one new token at
+// CPU, float32 math, AVX2 + FMA (at::vec's 8-lane code), over K/V buffers of float32 or of
+// bfloat16 (a bf16 model's: each element widened exactly to float32 as it is read, so the output
+// is what the same values held in float32 give, bit for bit, from half the bytes; q is always
+// float32, the new K/V come in the buffers' dtype). Each request b feeds one new token at
 // position p_b: its key and value are written into the request's buffers at p_b, then each
 // query head attends keys [lo_b, p_b] (lo_b > 0 on a sliding-window layer). Torch would take,
 // per request, two copies and one SDPA call whose flash kernel reads K/V at about half the
@@ -36,14 +39,22 @@ struct Block {
   int64_t request, head, begin, end;  // KV head `head` of `request`, keys [begin, end)
 };
 
+// Eight K/V elements as float32: float32 as they are, bfloat16 (its bits) widened exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // Eight dot products with one query row, summed across lanes together: [q . k_0, ..., q . k_7].
-inline Vec dot8(const float* q, const float* k, int64_t key_stride, int64_t dim) {
+template <typename T>
+inline Vec dot8(const float* q, const T* k, int64_t key_stride, int64_t dim) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
     for (int j = 0; j < 8; ++j)
-      acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + j * key_stride + d), acc[j]);
+      acc[j] = _mm256_fmadd_ps(qd, load8(k + j * key_stride + d), acc[j]);
   }
   // a transposing reduction: lane j of the result is the sum of acc[j]'s lanes
   const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
@@ -56,7 +67,8 @@ inline Vec dot8(const float* q, const float* k, int64_t key_stride, int64_t dim)
 
 // Scores of `rows` query rows (q, q + q_stride, ...) with keys [begin, end):
 // s[r * width + t - begin] = scale * q_r . k_t.
-void scores(const float* q, int64_t q_stride, int64_t rows, const float* keys,
+template <typename T>
+void scores(const float* q, int64_t q_stride, int64_t rows, const T* keys,
             int64_t key_stride, int64_t begin, int64_t end, int64_t dim, float scale, float* s,
             int64_t width) {
   const Vec vscale(scale);
@@ -66,11 +78,11 @@ void scores(const float* q, int64_t q_stride, int64_t rows, const float* keys,
       (dot8(q + r * q_stride, keys + t * key_stride, key_stride, dim) * vscale)
           .store(s + r * width + t - begin);
   for (; t < end; ++t) {
-    const float* k = keys + t * key_stride;
+    const T* k = keys + t * key_stride;
     for (int64_t r = 0; r < rows; ++r) {
       Vec acc(0.0f);
       for (int64_t d = 0; d < dim; d += Vec::size())
-        acc = at::vec::fmadd(Vec::loadu(q + r * q_stride + d), Vec::loadu(k + d), acc);
+        acc = at::vec::fmadd(Vec::loadu(q + r * q_stride + d), Vec(load8(k + d)), acc);
       s[r * width + t - begin] =
           scale * at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
     }
@@ -99,8 +111,9 @@ std::pair<float, float> exponentiate(float* s, int64_t n) {
 
 // The query heads of one KV head over one block of its keys: per row r, its max and sum of
 // exps, and out[r] = sum_t exp(s_rt - max_r) v_t (unnormalised). s: rows x kKeyBlock scratch.
-void attend_block(const float* q, int64_t q_stride, int64_t rows, const float* keys,
-                  const float* values, int64_t key_stride, int64_t value_stride, int64_t begin,
+template <typename T>
+void attend_block(const float* q, int64_t q_stride, int64_t rows, const T* keys,
+                  const T* values, int64_t key_stride, int64_t value_stride, int64_t begin,
                   int64_t end, int64_t dim, float scale, float* s, float* maxes, float* sums,
                   float* out) {
   const int64_t n = end - begin;
@@ -109,21 +122,21 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, const float* k
     std::tie(maxes[r], sums[r]) = exponentiate(s + r * kKeyBlock, n);
   std::fill(out, out + rows * dim, 0.0f);
   for (int64_t t = 0; t < n; ++t) {  // each value row read once for all query rows
-    const float* v = values + (begin + t) * value_stride;
+    const T* v = values + (begin + t) * value_stride;
     for (int64_t r = 0; r < rows; ++r) {
       const Vec p(s[r * kKeyBlock + t]);
       float* o = out + r * dim;
       for (int64_t d = 0; d < dim; d += Vec::size())
-        at::vec::fmadd(p, Vec::loadu(v + d), Vec::loadu(o + d)).store(o + d);
+        at::vec::fmadd(p, Vec(load8(v + d)), Vec::loadu(o + d)).store(o + d);
     }
   }
 }
 
-// q [1, H, B, d]; k_new, v_new [1, Hkv, B, d]; keys[b], values[b] [1, Hkv, capacity, d]
-// (d contiguous), written at positions[b]; window 0 for none -> [1, B, H * d]
-at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-                         at::TensorList keys, at::TensorList values, at::IntArrayRef positions,
-                         int64_t window, double scale) {
+// T: the K/V element (float, or uint16_t for bfloat16's bits); see decode_attend.
+template <typename T>
+at::Tensor decode_attend_as(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                            at::TensorList keys, at::TensorList values, at::IntArrayRef positions,
+                            int64_t window, double scale) {
   const int64_t batch = q.size(2), heads = q.size(1), dim = q.size(3);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.scalar_type() == at::kFloat &&
                   q.stride(3) == 1, "decode_attend: expects float32 q [1, H, B, d]");
@@ -134,15 +147,16 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at:
               "decode_attend: one K buffer, V buffer and position per request");
   const int64_t kv_heads = k_new.size(1);
   TORCH_CHECK(heads % kv_heads == 0, "decode_attend: query heads must be a multiple of KV heads");
+  const at::ScalarType kv = keys[0].scalar_type();
   for (const at::Tensor* t : {&k_new, &v_new})
     TORCH_CHECK(t->dim() == 4 && t->size(1) == kv_heads && t->size(2) == batch &&
-                    t->size(3) == dim && t->stride(3) == 1 && t->scalar_type() == at::kFloat,
-                "decode_attend: expects float32 k_new, v_new [1, Hkv, B, d]");
+                    t->size(3) == dim && t->stride(3) == 1 && t->scalar_type() == kv,
+                "decode_attend: expects k_new, v_new [1, Hkv, B, d] in the buffers' dtype");
   for (int64_t b = 0; b < batch; ++b) {
     for (const at::Tensor* t : {&keys[b], &values[b]})
       TORCH_CHECK(t->dim() == 4 && t->size(1) == kv_heads && t->size(3) == dim &&
-                      t->stride(3) == 1 && t->scalar_type() == at::kFloat,
-                  "decode_attend: expects float32 buffers [1, Hkv, capacity, d]");
+                      t->stride(3) == 1 && t->scalar_type() == kv,
+                  "decode_attend: expects buffers [1, Hkv, capacity, d] of one dtype");
     TORCH_CHECK(positions[b] >= 0 && positions[b] < keys[b].size(2) &&
                     positions[b] < values[b].size(2),
                 "decode_attend: position ", positions[b], " outside the buffer");
@@ -159,8 +173,9 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at:
         blocks.push_back({b, h, t, std::min(t + kKeyBlock, p + 1)});
       for (const at::Tensor* src : {&k_new, &v_new}) {  // the new token's K/V at p
         const at::Tensor& dst = src == &k_new ? keys[b] : values[b];
-        const float* from = src->const_data_ptr<float>() + h * src->stride(1) + b * src->stride(2);
-        float* to = dst.data_ptr<float>() + h * dst.stride(1) + p * dst.stride(2);
+        const T* from = static_cast<const T*>(src->const_data_ptr()) + h * src->stride(1) +
+                        b * src->stride(2);
+        T* to = static_cast<T*>(dst.data_ptr()) + h * dst.stride(1) + p * dst.stride(2);
         std::copy(from, from + dim, to);
       }
     }
@@ -178,8 +193,10 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at:
       const at::Tensor& k = keys[blk.request];
       const at::Tensor& v = values[blk.request];
       const float* qrows = qd + blk.head * groups * q.stride(1) + blk.request * q.stride(2);
-      attend_block(qrows, q.stride(1), groups, k.const_data_ptr<float>() + blk.head * k.stride(1),
-                   v.const_data_ptr<float>() + blk.head * v.stride(1), k.stride(2), v.stride(2),
+      attend_block(qrows, q.stride(1), groups,
+                   static_cast<const T*>(k.const_data_ptr()) + blk.head * k.stride(1),
+                   static_cast<const T*>(v.const_data_ptr()) + blk.head * v.stride(1),
+                   k.stride(2), v.stride(2),
                    blk.begin, blk.end, dim, fscale, s.data(), maxes.data() + i * groups,
                    sums.data() + i * groups, pd + i * groups * dim);
     }
@@ -209,6 +226,24 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at:
     i = j;
   }
   return out;
+}
+
+// q [1, H, B, d] float32; k_new, v_new [1, Hkv, B, d] and keys[b], values[b] [1, Hkv,
+// capacity, d] (d contiguous), all float32 or all bfloat16; the new K/V written at
+// positions[b]; window 0 for none -> float32 [1, B, H * d]
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                         at::TensorList keys, at::TensorList values, at::IntArrayRef positions,
+                         int64_t window, double scale) {
+  TORCH_CHECK(!keys.empty(), "decode_attend: no requests");
+  switch (keys[0].scalar_type()) {
+    case at::kFloat:
+      return decode_attend_as<float>(q, k_new, v_new, keys, values, positions, window, scale);
+    case at::kBFloat16:
+      return decode_attend_as<uint16_t>(q, k_new, v_new, keys, values, positions, window, scale);
+    default:
+      TORCH_CHECK(false, "decode_attend: K/V buffers must be float32 or bfloat16, got ",
+                  keys[0].scalar_type());
+  }
 }
 
 }  // namespace
