@@ -135,3 +135,13 @@ def test_unknown_weights_choice_is_one_clear_error():
 
     with pytest.raises(RagblendError, match="unknown weights"):
         BlendConfig(weights="int4")
+
+
+def test_q4_k_m_mix_falls_back_where_rows_are_not_k_blocks_as_llama_cpp_does():
+    from ragblend.bench.random_gguf import tensor_type
+
+    assert tensor_type("blk.0.ffn_up.weight", "Q4_K_M", 24, 4096) == "Q4_K"
+    assert tensor_type("blk.0.attn_q.weight", "Q4_K_M", 24, 896) == "Q5_0"  # Qwen2.5-0.5B
+    assert tensor_type("blk.0.ffn_down.weight", "Q4_K_M", 24, 896) == "Q8_0"  # a Q6_K layer
+    assert tensor_type("output.weight", "Q4_K_M", 24, 4864) == "Q6_K"
+    assert tensor_type("blk.3.attn_v.weight", "Q8_0", 24, 896) == "Q8_0"

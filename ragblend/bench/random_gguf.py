@@ -29,15 +29,23 @@ def more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def tensor_type(name: str, quant: str, layers: int) -> str:
-    """The ggml type name ``quant``'s mix gives the matrix ``name`` (a GGUF tensor name)."""
+# llama.cpp's types for a row whose length is no multiple of a K type's 256 weights
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def tensor_type(name: str, quant: str, layers: int, cols: int = 256) -> str:
+    """The ggml type name ``quant``'s mix gives the matrix ``name`` (a GGUF tensor name) of
+    rows of ``cols`` weights (a K type where ``cols`` is a multiple of 256, else llama.cpp's
+    fallback, e.g. Qwen2.5-0.5B's 896-wide rows)."""
     if quant == "Q8_0":
         return "Q8_0"
     if name == "output.weight":
-        return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
-        return "Q6_K" if more_bits(int(name.split(".")[1]), layers) else "Q4_K"
-    return "Q4_K"
+        chosen = "Q6_K"
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+        chosen = "Q6_K" if more_bits(int(name.split(".")[1]), layers) else "Q4_K"
+    else:
+        chosen = "Q4_K"
+    return chosen if cols % 256 == 0 else _K_FALLBACK[chosen]
 
 
 def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
@@ -153,7 +161,8 @@ def write_random_gguf(shape: str, quant: str, path: Path, seed: int = 0) -> Path
     writer = gguf.GGUFWriter(str(path), _ARCH[spec["family"]])
     _metadata(writer, spec, f"{shape}-random-{quant}")
     matrices = [
-        (n, r, c, tensor_type(n, quant, spec["num_hidden_layers"])) for n, r, c in _matrices(spec)
+        (n, r, c, tensor_type(n, quant, spec["num_hidden_layers"], c))
+        for n, r, c in _matrices(spec)
     ]
     vectors = _vectors(spec)
     for name, rows, cols, type_name in matrices:
