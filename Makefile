@@ -6,7 +6,8 @@ PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 DATASET ?= ../shared/data/musique_dev.json
 
-.PHONY: venv install demo test test-avx2 bench lint typecheck clean redis-server compiler
+.PHONY: venv install demo test test-avx2 test-avx512 test-avx512-bf16 bench lint typecheck clean \
+	redis-server compiler
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +51,15 @@ test: install
 # (ragblend.cpu), torch's and oneDNN's kernels too.
 test-avx2: install
 	RAGBLEND_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(BIN)/python -m pytest -q tests
+
+# The same at the AVX512 levels in between, for a developer on a CPU above them (not in CI).
+test-avx512: install
+	RAGBLEND_CPU_ISA=avx512 ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE \
+		$(BIN)/python -m pytest -q tests
+
+test-avx512-bf16: install
+	RAGBLEND_CPU_ISA=avx512_bf16 ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 \
 		$(BIN)/python -m pytest -q tests
 
 bench: install
