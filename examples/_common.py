@@ -11,8 +11,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ragblend.bench.datasets import default_dataset
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
+DEFAULT_DATASET = default_dataset()  # ../shared's dev cases, else the 4 shipped with ragblend
 COLLECTION = "musique-dev"
 
 

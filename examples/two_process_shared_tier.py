@@ -20,10 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragblend.bench.datasets import default_dataset
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
+DEFAULT_DATASET = default_dataset()  # ../shared's dev cases, else the 4 shipped with ragblend
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

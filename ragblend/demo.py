@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-DEFAULT_DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+from ragblend.bench.datasets import default_dataset
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="answer a few dev questions in full and blend mode")
-    p.add_argument("--dataset", default=str(DEFAULT_DATASET), help="MuSiQue-format JSON")
+    p.add_argument(
+        "--dataset",
+        default=str(default_dataset()),
+        help="MuSiQue-format JSON (default: the dev cases beside a checkout, else 4 shipped ones)",
+    )
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)

@@ -8,6 +8,17 @@ from pathlib import Path
 
 from ragblend.errors import RagblendError
 
+# shipped with the package (4 MuSiQue dev cases, CC BY 4.0: ragblend/data/README.md)
+DEMO_DATASET = Path(__file__).resolve().parents[1] / "data" / "musique_demo.json"
+# the 40 dev cases beside a development checkout (../shared), when it has them
+DEV_DATASET = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+
+
+def default_dataset() -> Path:
+    """The dataset a demo or example uses when none is given: the dev cases beside a checkout
+    where they are, else the demo cases shipped with the package."""
+    return DEV_DATASET if DEV_DATASET.is_file() else DEMO_DATASET
+
 
 @dataclass
 class Case:

@@ -1,0 +1,1 @@
+"""Data shipped with ragblend: the demo's MuSiQue cases (see README.md here)."""
