@@ -8,8 +8,9 @@
 // query head attends keys [lo_b, p_b] (lo_b > 0 on a sliding-window layer). Torch would take,
 // per request, two copies and one SDPA call whose flash kernel reads K/V at about half the
 // memory bandwidth for a single query row; here the whole batch is one call, the query heads
-// that share a KV head read its keys and values together, and long contexts are cut into
-// fixed blocks of keys (flash-decoding) so that even one request keeps every thread busy.
+// that share a KV head read its keys and values together (bf16 ones widened once, into L1
+// scratch, for all of them), and long contexts are cut into fixed blocks of keys
+// (flash-decoding) so that even one request keeps every thread busy.
 //
 // The block boundaries depend only on the request's own positions, and the blocks are merged
 // in order, so a request's output is the same whatever the batch and the thread count: a
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -65,18 +67,36 @@ inline Vec dot8(const float* q, const T* k, int64_t key_stride, int64_t dim) {
   return Vec(_mm256_add_ps(lo, hi));
 }
 
+// Eight keys' rows [t, t + 8) as float32: float32 keys where they are, bf16 ones widened
+// once into `wide` (8 x dim), so that every query row of the group reads them as float32.
+inline const float* keys8(const float* keys, int64_t key_stride, int64_t, float*,
+                          int64_t& stride) {
+  stride = key_stride;
+  return keys;
+}
+inline const float* keys8(const uint16_t* keys, int64_t key_stride, int64_t dim, float* wide,
+                          int64_t& stride) {
+  for (int j = 0; j < 8; ++j)
+    for (int64_t d = 0; d < dim; d += 8)
+      _mm256_storeu_ps(wide + j * dim + d, load8(keys + j * key_stride + d));
+  stride = dim;
+  return wide;
+}
+
 // Scores of `rows` query rows (q, q + q_stride, ...) with keys [begin, end):
-// s[r * width + t - begin] = scale * q_r . k_t.
+// s[r * width + t - begin] = scale * q_r . k_t. wide: 8 x dim floats of scratch.
 template <typename T>
 void scores(const float* q, int64_t q_stride, int64_t rows, const T* keys,
             int64_t key_stride, int64_t begin, int64_t end, int64_t dim, float scale, float* s,
-            int64_t width) {
+            int64_t width, float* wide) {
   const Vec vscale(scale);
   int64_t t = begin;
-  for (; t + 8 <= end; t += 8)
+  for (; t + 8 <= end; t += 8) {
+    int64_t stride;
+    const float* k = keys8(keys + t * key_stride, key_stride, dim, wide, stride);
     for (int64_t r = 0; r < rows; ++r)
-      (dot8(q + r * q_stride, keys + t * key_stride, key_stride, dim) * vscale)
-          .store(s + r * width + t - begin);
+      (dot8(q + r * q_stride, k, stride, dim) * vscale).store(s + r * width + t - begin);
+  }
   for (; t < end; ++t) {
     const T* k = keys + t * key_stride;
     for (int64_t r = 0; r < rows; ++r) {
@@ -109,26 +129,88 @@ std::pair<float, float> exponentiate(float* s, int64_t n) {
   return {max, sum};
 }
 
+constexpr int64_t kValueRun = 32;  // value rows copied to L1 (as float32) and weighed together
+
+// out[r, d0 : d0 + 8 W] (+)= sum_t s[r, t] v[t] over the run's n rows (v: float32 rows of dim)
+// for NR rows: their 8 W columns in registers; out is added to unless first. Per element, the
+// same products summed in the same order as one fmadd per value into out.
+template <int NR, int W>
+void weigh_run(const float* s, const float* v, int64_t n, int64_t d0, int64_t dim, bool first,
+               float* out) {
+  __m256 acc[NR][W];
+  for (int r = 0; r < NR; ++r)
+    for (int w = 0; w < W; ++w)
+      acc[r][w] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * dim + d0 + 8 * w);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 vt[W];
+    for (int w = 0; w < W; ++w) vt[w] = _mm256_loadu_ps(v + t * dim + d0 + 8 * w);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 p = _mm256_set1_ps(s[r * kKeyBlock + t]);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(p, vt[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + r * dim + d0 + 8 * w, acc[r][w]);
+}
+
+// ... 16 columns at a time over the run's columns
+template <int NR>
+void weigh_run(const float* s, const float* v, int64_t n, int64_t dim, bool first, float* out) {
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) weigh_run<NR, 2>(s, v, n, d, dim, first, out);
+  if (d < dim) weigh_run<NR, 1>(s, v, n, d, dim, first, out);
+}
+
+// out[r] = sum_t s[r, t] v_t over values [0, n) for `rows` rows, kValueRun values at a time:
+// each run read in order (as the hardware prefetches it) into `wide` as float32, then weighed
+// from L1 for up to 4 rows at a time.
+template <typename T>
+void weigh_values(const float* s, int64_t rows, const T* values, int64_t value_stride, int64_t n,
+                  int64_t dim, float* wide, float* out) {
+  for (int64_t t0 = 0; t0 < n; t0 += kValueRun) {
+    const int64_t run = std::min(kValueRun, n - t0);
+    for (int64_t t = 0; t < run; ++t)
+      for (int64_t d = 0; d < dim; d += 8)
+        _mm256_storeu_ps(wide + t * dim + d, load8(values + (t0 + t) * value_stride + d));
+    for (int64_t r = 0; r < rows; r += 4) {
+      const float* sr = s + r * kKeyBlock + t0;
+      float* o = out + r * dim;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: weigh_run<1>(sr, wide, run, dim, t0 == 0, o); break;
+        case 2: weigh_run<2>(sr, wide, run, dim, t0 == 0, o); break;
+        case 3: weigh_run<3>(sr, wide, run, dim, t0 == 0, o); break;
+        default: weigh_run<4>(sr, wide, run, dim, t0 == 0, o); break;
+      }
+    }
+  }
+}
+
 // The query heads of one KV head over one block of its keys: per row r, its max and sum of
-// exps, and out[r] = sum_t exp(s_rt - max_r) v_t (unnormalised). s: rows x kKeyBlock scratch.
+// exps, and out[r] = sum_t exp(s_rt - max_r) v_t (unnormalised). s: rows x kKeyBlock scratch,
+// wide: max(8, kValueRun) x dim.
 template <typename T>
 void attend_block(const float* q, int64_t q_stride, int64_t rows, const T* keys,
                   const T* values, int64_t key_stride, int64_t value_stride, int64_t begin,
-                  int64_t end, int64_t dim, float scale, float* s, float* maxes, float* sums,
-                  float* out) {
+                  int64_t end, int64_t dim, float scale, float* s, float* wide, float* maxes,
+                  float* sums, float* out) {
   const int64_t n = end - begin;
-  scores(q, q_stride, rows, keys, key_stride, begin, end, dim, scale, s, kKeyBlock);
+  scores(q, q_stride, rows, keys, key_stride, begin, end, dim, scale, s, kKeyBlock, wide);
   for (int64_t r = 0; r < rows; ++r)
     std::tie(maxes[r], sums[r]) = exponentiate(s + r * kKeyBlock, n);
-  std::fill(out, out + rows * dim, 0.0f);
-  for (int64_t t = 0; t < n; ++t) {  // each value row read once for all query rows
-    const T* v = values + (begin + t) * value_stride;
-    for (int64_t r = 0; r < rows; ++r) {
-      const Vec p(s[r * kKeyBlock + t]);
-      float* o = out + r * dim;
-      for (int64_t d = 0; d < dim; d += Vec::size())
-        at::vec::fmadd(p, Vec(load8(v + d)), Vec::loadu(o + d)).store(o + d);
+  if constexpr (std::is_same_v<T, float>) {
+    // float32 values are memory-bound: one pass over each row, added into out in place
+    std::fill(out, out + rows * dim, 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = values + (begin + t) * value_stride;
+      for (int64_t r = 0; r < rows; ++r) {
+        const Vec p(s[r * kKeyBlock + t]);
+        float* o = out + r * dim;
+        for (int64_t d = 0; d < dim; d += Vec::size())
+          at::vec::fmadd(p, Vec::loadu(v + d), Vec::loadu(o + d)).store(o + d);
+      }
     }
+  } else {  // bf16 values are compute-bound: widened once, out's columns in registers
+    weigh_values(s, rows, values + begin * value_stride, value_stride, n, dim, wide, out);
   }
 }
 
@@ -187,7 +269,7 @@ at::Tensor decode_attend_as(const at::Tensor& q, const at::Tensor& k_new, const 
   float* pd = partial.data_ptr<float>();
   const float* qd = q.const_data_ptr<float>();
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> s(groups * kKeyBlock);
+    std::vector<float> s(groups * kKeyBlock), wide(std::max<int64_t>(8, kValueRun) * dim);
     for (int64_t i = first; i < last; ++i) {
       const Block& blk = blocks[i];
       const at::Tensor& k = keys[blk.request];
@@ -196,9 +278,9 @@ at::Tensor decode_attend_as(const at::Tensor& q, const at::Tensor& k_new, const 
       attend_block(qrows, q.stride(1), groups,
                    static_cast<const T*>(k.const_data_ptr()) + blk.head * k.stride(1),
                    static_cast<const T*>(v.const_data_ptr()) + blk.head * v.stride(1),
-                   k.stride(2), v.stride(2),
-                   blk.begin, blk.end, dim, fscale, s.data(), maxes.data() + i * groups,
-                   sums.data() + i * groups, pd + i * groups * dim);
+                   k.stride(2), v.stride(2), blk.begin, blk.end, dim, fscale, s.data(),
+                   wide.data(), maxes.data() + i * groups, sums.data() + i * groups,
+                   pd + i * groups * dim);
     }
   });
 

@@ -5,9 +5,9 @@
 // the types below (ggml type ids Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13,
 // Q6_K 14).
 //
-// Built twice: for AVX2 + FMA + F16C, and with -DRAGBLEND_QUANT_512 for AVX512 F/BW/VL/DQ, where
-// `matmul` converts and multiplies 16 weights per instruction (its own op namespace). Both
-// decode blocks with the same 256-bit code; `dequantize` is the same in both.
+// Built twice: for AVX2 + FMA + F16C, and with -DRAGBLEND_QUANT_512 for AVX512 F/BW/VL/DQ (its
+// own op namespace), whose `matmul` works otherwise (see its section). `dequantize` is the same
+// in both.
 //
 // Each block decodes into one scale per span of 16 or 32 weights (`sc`), for the types with a
 // minimum one offset per 32 weights (`mn`), and its quants, 32 at a time, as small integers in
@@ -20,12 +20,12 @@
 // mul / add intrinsics), so that `dequantize` gives gguf's values bit for bit.
 //
 // `matmul` is x [n, cols] @ W.T for n <= 16 rows of x, reading each weight block once for
-// all n rows. Per span it sums x * q in 8 lanes and scales that once (sc * sum(x q)); a
-// minimum adds mn * sum(x), x's sums over each 32 columns computed once per call. Each (x row,
-// weight row) pair has its own 8-lane accumulator that runs over the columns in order (in
-// registers for up to 8 rows of x at a time) and is summed across lanes in a fixed order at
-// the end, so a row's output is the same bit for bit whatever n and however the weight rows
-// are split between threads.
+// all n rows. The AVX2 build, per span, sums x * q in 8 lanes and scales that once
+// (sc * sum(x q)); a minimum adds mn * sum(x), x's sums over each 32 columns computed once per
+// call. Each (x row, weight row) pair has its own 8-lane accumulator that runs over the columns
+// in order (in registers for up to 8 rows of x at a time) and is summed across lanes in a fixed
+// order at the end, so a row's output is the same bit for bit whatever n and however the
+// weight rows are split between threads.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,12 +60,14 @@ constexpr int64_t kGroup = 256;   // weights decoded together: one K block, or 8
 constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
 
 // f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>)
+#define RAGBLEND_INLINE inline __attribute__((always_inline))
+#define RAGBLEND_INLINE_LAMBDA __attribute__((always_inline))  // a lambda's, after its ()
 template <class F, int... I>
-inline void unroll_impl(F& f, std::integer_sequence<int, I...>) {
+RAGBLEND_INLINE void unroll_impl(F& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
 }
 template <int N, class F>
-inline void unroll(F&& f) {
+RAGBLEND_INLINE void unroll(F&& f) {
   unroll_impl(f, std::make_integer_sequence<int, N>{});
 }
 
@@ -318,45 +321,9 @@ inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
   return _mm_cvtss_f32(s);
 }
 
-// A (x row, weight row) pair's accumulator: 8 float32 lanes, or 16 in the AVX512 build
-// (RAGBLEND_QUANT_512), which decodes the same bytes but converts and multiplies 16 at a time.
-#ifdef RAGBLEND_QUANT_512
-using Acc = __m512;
-inline Acc acc_zero() { return _mm512_setzero_ps(); }
-inline float acc_sum(__m512 v) {  // fixed order: halves, then as hsum
-  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
-}
-inline __m512 widen(__m256 v) { return _mm512_insertf32x8(_mm512_setzero_ps(), v, 0); }
-
-// vpshufb pattern: 128-bit lane k moves byte 4k + j to the top byte of its 32-bit lane j
-struct Pick512 {
-  alignas(64) int8_t b[64];
-};
-constexpr Pick512 make_pick512() {
-  Pick512 p{};
-  for (int i = 0; i < 64; ++i) p.b[i] = i % 4 == 3 ? int8_t(4 * (i / 16) + (i % 16) / 4) : -128;
-  return p;
-}
-constexpr Pick512 kPick512 = make_pick512();
-
-// 16 quants as int8 (v's low 128-bit lane) -> 16 float32 lanes of q * 2^24
-inline __m512 bytes16_to_f512(__m256i v, __m512i pick) {
-  const __m512i all = _mm512_broadcast_i32x4(_mm256_castsi256_si128(v));
-  return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(all, pick));
-}
-#else
-using Acc = __m256;
-inline Acc acc_zero() { return _mm256_setzero_ps(); }
-inline float acc_sum(__m256 v) { return hsum(v); }
-#endif
 
 // x [n, cols] repacked by groups of 256 columns, [groups][n][256] (a short last group
-// zero-padded), so that one group of all n rows is contiguous; and x's sums that an offset
-// multiplies, per 32 columns, [groups][n][kXs]: K types one float per 32 columns (8 per group),
-// small types with an offset 8 lanes per 32 columns (64 per group).
-template <class T>
-constexpr int64_t kXs = T::kElems == 32 ? 64 : 8;
-
+// zero-padded), so that one group of all n rows is contiguous.
 template <class T>
 std::vector<float> pack_x(const float* x, int64_t n, int64_t cols) {
   const int64_t groups = (cols + kGroup - 1) / kGroup;
@@ -368,6 +335,188 @@ std::vector<float> pack_x(const float* x, int64_t n, int64_t cols) {
     }
   return packed;
 }
+
+// Prefetches the cache lines of [p, end) into L1; returns where it stopped (end, or p).
+inline const uint8_t* prefetch(const uint8_t* p, const uint8_t* end) {
+  for (; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  return std::max(p, end);
+}
+
+#ifdef RAGBLEND_QUANT_512
+// The AVX512 matmul dequantizes each 32 weights of a block in registers into the values
+// `dequantize` writes (gguf's, bit for bit) and multiplies them into two 16-lane accumulators
+// per (x row, weight row) pair: weights [32 U, 32 U + 16) into one, [32 U + 16, 32 U + 32) into
+// the other, over the columns in order, summed in a fixed order at the end. A tile of R weight
+// rows by G rows of x shares each decoded weight between the G rows and each x load between
+// the R rows, and keeps 2 R G independent sums in flight (a lone row of x takes 4 weight rows
+// at a time, so that no add waits on the one before it). Each pair's sums are the same
+// whatever R and G, so a row's output is the same alone and batched.
+//
+// 4-bit quants are indices into a 16-entry table of their span's weights (sc * k + mn, k =
+// 0..15), built with the same products and sums as gguf's and looked up by vpermps; the other
+// types convert their quants (int8 -> float) and scale them.
+
+inline __m512 iota16(float first) {
+  return _mm512_add_ps(_mm512_set1_ps(first), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                              11, 12, 13, 14, 15));
+}
+
+// 16 bytes -> 16 int32 lanes 0..255, their high nibbles if H
+template <bool H>
+inline __m512i nibbles16(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (H) return _mm512_srli_epi32(v, 4);
+  else return v;  // vpermps reads an index's low 4 bits only
+}
+
+// Weights [32 U, 32 U + 32) of block b of type T as float32, gguf's values: w[0], w[1] 16 each.
+// sc, mn: the block's scales (T::scales, times 2^24 back: sc * q as gguf multiplies it).
+template <class T, int U>
+RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn, __m512* w) {
+  if constexpr (std::is_same_v<T, Q4_K>) {  // bytes 32 (U / 2) + l: U even low nibble, odd high
+    const uint8_t* p = b + 16 + 32 * (U / 2);
+    const __m512 tab = _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])),
+                                     _mm512_set1_ps(mn[U]));
+    w[0] = _mm512_permutexvar_ps(nibbles16<U % 2 == 1>(p), tab);
+    w[1] = _mm512_permutexvar_ps(nibbles16<U % 2 == 1>(p + 16), tab);
+  } else if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q4_0>) {  // low, high
+    constexpr bool kOffset = std::is_same_v<T, Q4_1>;
+    const uint8_t* p = b + (kOffset ? 4 : 2);
+    __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), _mm512_set1_ps(sc[0]));
+    if constexpr (kOffset) tab = _mm512_add_ps(tab, _mm512_set1_ps(mn[0]));
+    w[0] = _mm512_permutexvar_ps(nibbles16<false>(p), tab);
+    w[1] = _mm512_permutexvar_ps(nibbles16<true>(p), tab);
+  } else {
+    __m256i v[2];
+    T::template bytes<U>(b, v);
+    for (int k = 0; k < 2; ++k) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v[k])));
+      w[k] = _mm512_mul_ps(_mm512_set1_ps(sc[T::kSpan == 32 ? U : 2 * U + k]), q);
+      if constexpr (T::kMin) w[k] = _mm512_add_ps(w[k], _mm512_set1_ps(mn[U]));
+    }
+  }
+}
+
+using Acc = __m512;  // one of a pair's two accumulators
+inline float pair_sum(const Acc* a) {  // fixed order: the two, halves, then as hsum
+  const __m512 s = _mm512_add_ps(a[0], a[1]);
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1)));
+}
+
+// R weight rows (their nb blocks from src[r], scales sc[r], mn[r]) by G rows of x (one packed
+// group, [G][256]): acc[r][i0 + g][0..2) += their products.
+template <class T, int R, int G>
+void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
+              const float* const* mn, const float* x, Acc (*acc)[kMaxRows][2], int64_t i0) {
+  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  Acc a[R][G][2];
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+      a[r][g][0] = acc[r][i0 + g][0], a[r][g][1] = acc[r][i0 + g][1];
+    });
+  });
+  for (int64_t b = 0; b < nb; ++b) {
+    unroll<T::kElems / 32>([&](auto U) RAGBLEND_INLINE_LAMBDA {
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+        __m512 w[2];
+        weights<T, U>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn, w);
+        unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+          const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
+          a[r][g][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w[0], a[r][g][0]);
+          a[r][g][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w[1], a[r][g][1]);
+        });
+      });
+    });
+  }
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+      acc[r][i0 + g][0] = a[r][g][0], acc[r][i0 + g][1] = a[r][g][1];
+    });
+  });
+}
+
+// rows x n pairs in tiles: 4 weight rows by 1 or 2 of x, 2 by 3 or 4, else 1 by up to 8
+template <class T>
+void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
+              const float* const* sc, const float* const* mn, const float* x,
+              Acc (*acc)[kMaxRows][2]) {
+  const int64_t R = n <= 2 ? 4 : n <= 4 ? 2 : 1;
+  int64_t r = 0;
+  for (; R > 1 && r + R <= rows; r += R) {
+    const auto* s = src + r;
+    if (n == 1) dot_tile<T, 4, 1>(s, nb, sc + r, mn + r, x, acc + r, 0);
+    else if (n == 2) dot_tile<T, 4, 2>(s, nb, sc + r, mn + r, x, acc + r, 0);
+    else if (n == 3) dot_tile<T, 2, 3>(s, nb, sc + r, mn + r, x, acc + r, 0);
+    else dot_tile<T, 2, 4>(s, nb, sc + r, mn + r, x, acc + r, 0);
+  }
+  for (; r < rows; ++r)
+    for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+      const auto* s = src + r;
+      const float* xi = x + i0 * kGroup;
+      switch (std::min(kChunk, n - i0)) {
+        case 1: dot_tile<T, 1, 1>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        case 2: dot_tile<T, 1, 2>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        case 3: dot_tile<T, 1, 3>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        case 4: dot_tile<T, 1, 4>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        case 5: dot_tile<T, 1, 5>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        case 6: dot_tile<T, 1, 6>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        case 7: dot_tile<T, 1, 7>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+        default: dot_tile<T, 1, 8>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
+      }
+    }
+}
+
+// out[i, r] for weight rows [r0, r1): out [n, rows]; x packed (pack_x).
+template <class T>
+void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
+                 const float* bias, int64_t rows, int64_t r0, int64_t r1, float* out) {
+  constexpr int64_t per_group = kGroup / T::kElems;
+  constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  alignas(64) float sc[kRowTile][per_group * kSc], mn[kRowTile][per_group * kMn];
+  alignas(64) Acc acc[kRowTile][kMaxRows][2];
+  const uint8_t* src[kRowTile];
+  const float* scp[kRowTile];
+  const float* mnp[kRowTile];
+  for (int64_t r = 0; r < kRowTile; ++r) scp[r] = sc[r], mnp[r] = mn[r];
+  const int64_t blocks = cols / T::kElems;
+  for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
+    const int64_t tile = std::min(kRowTile, r1 - t0);
+    for (int64_t r = 0; r < tile; ++r)
+      for (int64_t i = 0; i < n; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+    // prefetch the tile after the next one while this one runs (see the AVX2 matmul_rows)
+    const uint8_t* next = w + std::min(r1, t0 + kRowTile + tile) * row_bytes;
+    const uint8_t* next_end = w + std::min(r1, t0 + 2 * kRowTile + tile) * row_bytes;
+    if (t0 == r0) prefetch(w + (t0 + tile) * row_bytes, next);
+    for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
+      const int64_t nb = std::min(per_group, blocks - b0);
+      for (int64_t r = 0; r < tile; ++r) {
+        src[r] = w + (t0 + r) * row_bytes + b0 * T::kBytes;
+        next = prefetch(next, std::min(next + per_group * T::kBytes, next_end));
+        for (int64_t b = 0; b < nb; ++b) T::scales(src[r] + b * T::kBytes, sc[r] + b * kSc,
+                                                   mn[r] + b * kMn);
+        for (int64_t k = 0; k < nb * kSc; ++k) sc[r][k] *= 16777216.0f;  // 2^24: exact
+      }
+      dot_rows<T>(tile, n, src, nb, scp, mnp, x + g * n * kGroup, acc);
+    }
+    for (int64_t r = 0; r < tile; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        float v = pair_sum(acc[r][i]);
+        if (bias != nullptr) v += bias[t0 + r];
+        out[i * rows + t0 + r] = v;
+      }
+  }
+}
+#else
+// A (x row, weight row) pair's accumulator: 8 float32 lanes.
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(__m256 v) { return hsum(v); }
+
+// x's sums that an offset multiplies, per 32 columns, [groups][n][kXs]: K types one float
+// per 32 columns (8 per group), small types with an offset 8 lanes per 32 columns (64 per
+// group).
+template <class T>
+constexpr int64_t kXs = T::kElems == 32 ? 64 : 8;
 
 template <class T>
 std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
@@ -392,48 +541,6 @@ std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
 // G rows of x (x [G][256], one group packed) against the group's `nb` blocks of one weight
 // row (src), whose scales are sc, mn: acc[0..G) += their dot products, in 8 lanes. xs: the
 // group's sums of x, [G][kXs].
-#ifdef RAGBLEND_QUANT_512
-template <class T, int G>
-void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn, const float* x,
-               const float* xs, Acc* acc) {
-  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
-  const __m512i pick = _mm512_load_si512(kPick512.b);
-  __m512 a[G];
-  for (int g = 0; g < G; ++g) a[g] = acc[g];
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = src + b * T::kBytes;
-    unroll<T::kElems / 32>([&](auto U) {
-      __m256i v[2];
-      T::template bytes<U>(blk, v);
-      const __m512 q0 = bytes16_to_f512(v[0], pick), q1 = bytes16_to_f512(v[1], pick);
-      for (int g = 0; g < G; ++g) {
-        const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
-        if constexpr (T::kSpan == 32) {
-          __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xp), q0);
-          t = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), q1, t);
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[b * kSc + U]), t, a[g]);
-        } else {
-          const __m512 t0 = _mm512_mul_ps(_mm512_loadu_ps(xp), q0);
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[b * kSc + 2 * U]), t0, a[g]);
-          const __m512 t1 = _mm512_mul_ps(_mm512_loadu_ps(xp + 16), q1);
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[b * kSc + 2 * U + 1]), t1, a[g]);
-        }
-      }
-    });
-    if constexpr (T::kMin) {
-      for (int g = 0; g < G; ++g) {
-        const float* xsp = xs + g * kXs<T>;
-        if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(mn[b]), widen(_mm256_loadu_ps(xsp + 8 * b)), a[g]);
-        else  // 8 offsets times x's 8 sums
-          a[g] = _mm512_fmadd_ps(widen(_mm256_loadu_ps(mn + b * kMn)),
-                                 widen(_mm256_loadu_ps(xsp)), a[g]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) acc[g] = a[g];
-}
-#else
 template <class T, int G>
 void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn, const float* x,
                const float* xs, Acc* acc) {
@@ -475,7 +582,6 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
   }
   for (int g = 0; g < G; ++g) acc[g] = a[g];
 }
-#endif
 
 template <class T>
 void dot_chunk(int64_t rows, const uint8_t* src, int64_t nb, const float* sc, const float* mn,
@@ -490,12 +596,6 @@ void dot_chunk(int64_t rows, const uint8_t* src, int64_t nb, const float* sc, co
     case 7: return dot_group<T, 7>(src, nb, sc, mn, x, xs, acc);
     default: return dot_group<T, 8>(src, nb, sc, mn, x, xs, acc);
   }
-}
-
-// Prefetches the cache lines of [p, end) into L1; returns where it stopped (end, or p).
-inline const uint8_t* prefetch(const uint8_t* p, const uint8_t* end) {
-  for (; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-  return std::max(p, end);
 }
 
 // out[i, r] for weight rows [r0, r1): out [n, rows]; x, xs packed (pack_x, x_sums).
@@ -539,6 +639,7 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
       }
   }
 }
+#endif  // RAGBLEND_QUANT_512
 
 template <class F>
 void dispatch(int64_t qtype, F&& f) {
@@ -642,12 +743,19 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, 
     }
     out = at::empty({n, rows}, x.options());
     const float* xd = x.const_data_ptr<float>();
-    const std::vector<float> xp = pack_x<T>(xd, n, cols), xs = x_sums<T>(xd, n, cols);
+    const std::vector<float> xp = pack_x<T>(xd, n, cols);
     const uint8_t* w = blocks.const_data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
+#ifdef RAGBLEND_QUANT_512
+    for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
+      matmul_rows<T>(xp.data(), n, cols, w, row_bytes, b, rows, r0, r1, o);
+    });
+#else
+    const std::vector<float> xs = x_sums<T>(xd, n, cols);
     for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
       matmul_rows<T>(xp.data(), n, cols, w, row_bytes, xs.data(), b, rows, r0, r1, o);
     });
+#endif
   });
   return out;
 }
