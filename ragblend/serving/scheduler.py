@@ -32,8 +32,9 @@ from typing import Any
 
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
-from ragblend.generation import BlendStats, Prefill, Sampler, decode_step
+from ragblend.generation import BlendStats, Prefill, decode_step
 from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.sampling import Sampler
 from ragblend.serving.events import (
     Delta,
     Failed,
@@ -55,7 +56,6 @@ class _Running:
     stats: BlendStats
     output: TextOutput
     sampler: Sampler
-    history: list[int]
     decoder: LayerDecoder | None = None
     advance: Callable[[int], Any] | None = None  # HF's step where no LayerDecoder applies
     token: int = -1  # the last sampled token, fed at the next step
@@ -212,13 +212,12 @@ class Scheduler:
     def _admit(self, handle: RequestHandle, job: GenerationJob) -> None:
         try:
             pre = self._prefill(job)
-            sampler = Sampler(job.params)
-            history = [] if job.params.greedy else list(job.prompt_ids)
-            first = sampler(pre.logits, history)
+            sampler = Sampler(job.params, job.prompt_ids)
+            first = sampler(pre.logits)
             stats = pre.stats
             stats.ttft_ms = (time.perf_counter() - job.arrived) * 1000
             output = TextOutput(self.engine.tokenizer, job.stop)
-            r = _Running(handle, job, stats, output, sampler, history)
+            r = _Running(handle, job, stats, output, sampler)
             if job.max_tokens > 1:
                 total = len(job.prompt_ids) + job.max_tokens
                 layers = self.engine.layers
@@ -253,8 +252,6 @@ class Scheduler:
             self._finish(r, "length")
         else:
             r.token = token
-            if not r.job.params.greedy:
-                r.history.append(token)
 
     def _finish(self, r: _Running, reason: str) -> None:
         rest = r.output.flush()
@@ -276,10 +273,10 @@ class Scheduler:
                     [r.decoder for r in batch if r.decoder], [r.token for r in batch]
                 )
                 for r, row in zip(batch, logits):
-                    self._accept(r, r.sampler(row, r.history))
+                    self._accept(r, r.sampler(row))
             for r in solo:
                 if r.advance is not None:
-                    self._accept(r, r.sampler(r.advance(r.token), r.history))
+                    self._accept(r, r.sampler(r.advance(r.token)))
         except Exception as exc:
             log.exception("decode step failed")
             for r in batch + solo:
