@@ -46,6 +46,7 @@ class BlendStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     chunk_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the chunk or prefix caches
     chunk_hits: int = 0
     chunk_misses: int = 0
     recomputed_fraction: float = 1.0
