@@ -78,7 +78,8 @@ def test_chat_and_completion_answer_with_the_ragblend_object(server):
     )
     assert chat.choices[0].finish_reason in ("length", "stop")
     info = chat.model_extra["ragblend"]
-    assert set(info) == {"mode", "ttft_ms", "chunk_hits", "chunk_misses", "fallback_reason"}
+    keys = {"mode", "ttft_ms", "chunk_hits", "chunk_misses", "fallback_reason", "request_id"}
+    assert set(info) == keys
     assert info["mode"] == "full" and info["fallback_reason"]  # no known chunk in "Hi"
     text = oa.completions.create(model=MODEL, prompt="Once upon", max_tokens=3, temperature=0)
     assert text.usage.completion_tokens <= 3
@@ -119,8 +120,8 @@ def test_warmed_chunks_blend_and_full_mode_can_be_asked_for(server):
     )
     last = list(stream)[-1]
     assert last.model_extra["ragblend"]["chunk_hits"] == 3
-    assert metric(url, "ragblend_chunk_hits_total") >= 6
-    assert metric(url, "ragblend_ttft_seconds_count", mode="blend") >= 2
+    assert metric(url, "ragblend:chunk_hits_total") >= 6
+    assert metric(url, "ragblend:time_to_first_token_seconds_count", mode="blend") >= 2
 
 
 def test_batched_greedy_decoding_equals_each_request_alone(server):
@@ -191,8 +192,8 @@ def test_full_queue_answers_429_and_a_disconnected_stream_frees_its_slot(model, 
         while httpx.get(f"{url}/health").json()["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.get(f"{url}/health").json()["running"] == 0
-        assert metric(url, "ragblend_cancelled_requests_total") == 1
-        assert metric(url, "ragblend_generated_tokens_total") < 2999
+        assert metric(url, "ragblend:cancelled_requests_total") == 1
+        assert metric(url, "ragblend:generation_tokens_total") < 2999
         after = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2})
         assert after.status_code == 200
 
@@ -287,11 +288,11 @@ def test_langchain_chat_openai_rag_chain_blends(server):
     )
     join = RunnableLambda(lambda ds: "\n\n".join(d.page_content for d in ds))
     chain = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | llm
-    hits = metric(url, "ragblend_chunk_hits_total")
+    hits = metric(url, "ragblend:chunk_hits_total")
     message = chain.invoke(QUESTION)
     info = json.loads(message.response_metadata["headers"]["x-ragblend"])
     assert info["mode"] == "blend" and info["chunk_hits"] == 3
-    assert metric(url, "ragblend_chunk_hits_total") == hits + 3
+    assert metric(url, "ragblend:chunk_hits_total") == hits + 3
     assert isinstance((chain | StrOutputParser()).invoke(QUESTION), str)
 
 
@@ -311,7 +312,7 @@ def test_llama_index_openai_like_call_blends(server):
         max_tokens=4,
         temperature=0,
     )
-    hits = metric(url, "ragblend_chunk_hits_total")
+    hits = metric(url, "ragblend:chunk_hits_total")
     prompt = DEFAULT_TEXT_QA_PROMPT.format(context_str="\n\n".join(CHUNKS), query_str=QUESTION)
     assert isinstance(llm.complete(prompt).text, str)
-    assert metric(url, "ragblend_chunk_hits_total") == hits + 3
+    assert metric(url, "ragblend:chunk_hits_total") == hits + 3
