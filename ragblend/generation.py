@@ -37,7 +37,7 @@ class BlendStats:
 
     ``mode`` is the mode that actually ran: a blend/reuse request that ends as a full prefill
     (nothing to fuse, or the loading controller's fallback) says ``"full"`` and gives the
-    reason in ``fallback_reason``.
+    reason in ``fallback_reason`` (a code of ``ragblend.fallback``) and ``fallback_message``.
     """
 
     mode: str
@@ -53,7 +53,8 @@ class BlendStats:
     ratio: float | None = None
     finish_reason: str = ""
     decode_ms: float = 0.0
-    fallback_reason: str | None = None
+    fallback_reason: str | None = None  # ragblend.fallback's code; None when chunks were fused
+    fallback_message: str | None = None  # the same for a person, with what fixes it
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:

@@ -79,8 +79,9 @@ def test_chat_and_completion_answer_with_the_ragblend_object(server):
     assert chat.choices[0].finish_reason in ("length", "stop")
     info = chat.model_extra["ragblend"]
     keys = {"mode", "ttft_ms", "chunk_hits", "chunk_misses", "fallback_reason", "request_id"}
-    assert set(info) == keys
-    assert info["mode"] == "full" and info["fallback_reason"]  # no known chunk in "Hi"
+    assert set(info) == keys | {"fallback_message"}
+    assert info["mode"] == "full" and info["fallback_reason"] == "no_known_chunk"  # in "Hi"
+    assert "precompute the chunks" in info["fallback_message"]
     text = oa.completions.create(model=MODEL, prompt="Once upon", max_tokens=3, temperature=0)
     assert text.usage.completion_tokens <= 3
     assert text.model_extra["ragblend"]["ttft_ms"] > 0

@@ -22,7 +22,7 @@ class GenerationJob:
     max_tokens: int
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    fallback_reason: str | None = None  # why plain ids run in full although mode asks more
+    fallback_reason: str | None = None  # ragblend.fallback's code: why plain ids run in full
     logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely
     request_id: str = ""
     arrived: float = field(default_factory=time.perf_counter)

@@ -4,7 +4,7 @@ A request carries no chunk boundaries: its messages (or prompt) are searched for
 known chunks (every chunk recorded with the engine's store, see ``BlendEngine.known_chunks``)
 and split there (``ragblend.matching.chunked_prompt``), so any OpenAI client blends unchanged.
 Every mode runs on those same ids; a request with no known chunk runs a full prefill of its
-chat-template ids and says why in ``fallback_reason``.
+chat-template ids and says why (``fallback_reason`` ``"no_known_chunk"``, ``fallback_message``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
+from ragblend.fallback import NO_KNOWN_CHUNK
 from ragblend.matching import chunked_prompt
 from ragblend.prompt import TokenizedPrompt
 from ragblend.sampling import SamplingParams
@@ -129,7 +130,7 @@ class JobBuilder:
             prompt = found
         else:
             prompt = ids or []
-            fallback = NO_CHUNK if mode != "full" else None
+            fallback = NO_KNOWN_CHUNK if mode != "full" else None
         n = len(found) if found is not None else len(prompt)
         if not n:
             raise RequestError("the prompt is empty", param="messages")

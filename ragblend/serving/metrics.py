@@ -69,7 +69,10 @@ class ServerMetrics:
             "ragblend:requests", "Requests prefilled, by the mode that ran", ["mode"], registry=r
         )
         self.fallbacks = Counter(
-            "ragblend:fallbacks", "Blend/reuse requests that ran a full prefill", registry=r
+            "ragblend:fallbacks",
+            "Blend/reuse requests that ran a full prefill, by ragblend.fallback's reason",
+            ["reason"],
+            registry=r,
         )
         self.chunk_hits = Counter(
             "ragblend:chunk_hits", "Chunks served from the KV store", registry=r
@@ -100,7 +103,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.cached_tokens.inc(stats.cached_tokens)
         if stats.fallback_reason:
-            self.fallbacks.inc()
+            self.fallbacks.labels(reason=stats.fallback_reason).inc()
         self.chunk_hits.inc(stats.chunk_hits)
         self.chunk_misses.inc(stats.chunk_misses)
 

@@ -177,6 +177,7 @@ class RagblendInfo(BaseModel):
     chunk_hits: int
     chunk_misses: int
     fallback_reason: str | None = None
+    fallback_message: str | None = None
     request_id: str | None = None
 
     @classmethod
@@ -187,6 +188,7 @@ class RagblendInfo(BaseModel):
             chunk_hits=stats.chunk_hits,
             chunk_misses=stats.chunk_misses,
             fallback_reason=stats.fallback_reason,
+            fallback_message=stats.fallback_message,
             request_id=request_id,
         )
 

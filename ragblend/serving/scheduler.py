@@ -32,10 +32,12 @@ from typing import Any
 
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
+from ragblend.fallback import fall_back
 from ragblend.generation import BlendStats, Prefill, decode_step
 from ragblend.layer_decode import LayerDecoder, decode_batch
 from ragblend.sampling import Sampler
 from ragblend.serving.events import Failed, GenerationJob, QueueFull, RequestHandle, Unavailable
+from ragblend.serving.jobs import NO_CHUNK
 from ragblend.serving.metrics import ServerMetrics
 from ragblend.serving.output import TextOutput
 from ragblend.serving.running import RunningRequest
@@ -218,7 +220,8 @@ class Scheduler:
     def _prefill(self, job: GenerationJob) -> Prefill:
         if isinstance(job.prompt, list):
             stats = BlendStats(mode="full", prompt_tokens=len(job.prompt))
-            stats.fallback_reason = job.fallback_reason
+            if job.fallback_reason is not None:
+                fall_back(stats, job.fallback_reason, NO_CHUNK)
             return self.engine.full_prefill(job.prompt, stats)
         return self.engine.prefill(job.prompt, mode=job.mode)
 
