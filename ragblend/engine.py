@@ -439,7 +439,9 @@ class BlendEngine:
     ) -> BlendResult:
         """Answer ``question`` over ``chunks`` (retrieval order); mode defaults to config.mode.
 
-        ``sampling``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``.
+        ``sampling``: :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``seed``, ``repetition_penalty``, ``presence_penalty``,
+        ``frequency_penalty``).
         """
         return self.stream(
             question, chunks, mode=mode, ratio=ratio, prompt_format=prompt_format, **sampling

@@ -29,25 +29,40 @@ def add_parser(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="embedded", help="'embedded', a local HF dir or a .gguf")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--model", metavar="M", default="embedded", help="'embedded', a local HF dir or a .gguf"
+    )
+    p.add_argument(
+        "--host", metavar="ADDR", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
+    )
+    p.add_argument("--port", metavar="N", type=int, default=8000, help="port (default 8000)")
     store = p.add_mutually_exclusive_group()
     store.add_argument(
-        "--store-path", default=None, help="disk store (default: the one `ragblend warmup` writes)"
+        "--store-path",
+        metavar="DIR",
+        default=None,
+        help="disk store (default: the one `ragblend warmup` writes)",
     )
-    store.add_argument("--redis-url", default=None, help="the shared Redis/Valkey tier instead")
-    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
-    p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
+    store.add_argument(
+        "--redis-url", metavar="URL", default=None, help="the shared Redis/Valkey tier instead"
+    )
+    p.add_argument(
+        "--namespace", metavar="N", default=None, help="tenant namespace salting every KV key"
+    )
+    p.add_argument(
+        "--dtype", metavar="D", default="auto", help="auto / float32 / bfloat16 / float16"
+    )
     p.add_argument(
         "--weights",
+        metavar="W",
         default="auto",
         choices=("auto", "dequantize"),
         help="a GGUF's quantized tensors: auto (kept as blocks) or dequantize",
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", metavar="D", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--api-key",
+        metavar="KEY",
         action="append",
         default=[],
         help="require `Authorization: Bearer KEY` on /v1 paths (repeatable; also "
@@ -55,11 +70,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--api-key-file",
+        metavar="FILE",
         default=None,
         help="more keys, one per line (blank lines and # comments ignored)",
     )
     p.add_argument(
         "--allowed-origins",
+        metavar="ORIGINS",
         action="append",
         default=[],
         help="CORS origins allowed to call the API (repeatable or comma-separated; none by "
@@ -67,15 +84,22 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--timeout",
+        metavar="SECONDS",
         type=float,
         default=None,
         help="seconds a request may take before it is cancelled and answered with an error "
         "(default: none)",
     )
-    p.add_argument("--served-model-name", default=None, help="the model name clients send")
-    p.add_argument("--max-running", type=int, default=8, help="requests decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument(
+        "--served-model-name", metavar="NAME", default=None, help="the model name clients send"
+    )
+    p.add_argument(
+        "--max-running", metavar="N", type=int, default=8, help="requests decoded together"
+    )
+    p.add_argument(
+        "--max-queue", metavar="N", type=int, default=64, help="waiting requests before 429"
+    )
+    p.add_argument("--max-tokens", metavar="N", type=int, default=256, help="default max_tokens")
     p.set_defaults(func=run)
 
 
