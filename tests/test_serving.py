@@ -20,8 +20,9 @@ from serving_server import ServerThread
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.serving.app import create_app
-from ragblend.serving.command import open_store, warn_if_exposed
+from ragblend.serving.command import warn_if_exposed
 from ragblend.store import DiskStore
+from ragblend.store.cli import StoreFlags, open_store
 
 MODEL = "tiny"
 redis_server = fixtures.redis_server
@@ -224,7 +225,9 @@ def test_chunks_another_engine_warmed_into_the_disk_store_hit(model, tokenizer, 
     texts = tmp_path / "kv" / "texts"
     assert stat.S_IMODE(texts.stat().st_mode) == 0o700
     assert stat.S_IMODE((texts / "chunk_texts.sqlite").stat().st_mode) == 0o600
-    engine = make_engine(model, tokenizer, store=open_store(str(tmp_path / "kv"), None, None))
+    engine = make_engine(
+        model, tokenizer, store=open_store(StoreFlags(str(tmp_path / "kv")), ram_front=True)
+    )
     with ServerThread(create_app(engine)) as url:
         reply = client(url).chat.completions.create(
             model=MODEL, messages=rag_messages(), max_tokens=2
@@ -250,7 +253,11 @@ def test_chunks_found_but_missed_are_precomputed_again_between_steps(model, toke
 
 def test_two_servers_on_one_redis_tier_share_warmed_chunks(model, tokenizer, redis_server):
     engines = [
-        make_engine(model, tokenizer, store=open_store(None, redis_server.url, "t26"))
+        make_engine(
+            model,
+            tokenizer,
+            store=open_store(StoreFlags(None, redis_server.url, "t26"), ram_front=True),
+        )
         for _ in range(2)
     ]
     with (

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ragblend.errors import RagblendError
+from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +37,7 @@ def add_parser(sub) -> None:
         "--host", metavar="ADDR", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
     )
     p.add_argument("--port", metavar="N", type=int, default=8000, help="port (default 8000)")
-    store = p.add_mutually_exclusive_group()
-    store.add_argument(
-        "--store-path",
-        metavar="DIR",
-        default=None,
-        help="disk store (default: the one `ragblend warmup` writes)",
-    )
-    store.add_argument(
-        "--redis-url", metavar="URL", default=None, help="the shared Redis/Valkey tier instead"
-    )
-    p.add_argument(
-        "--namespace", metavar="N", default=None, help="tenant namespace salting every KV key"
-    )
+    add_store_arguments(p)
     p.add_argument(
         "--dtype", metavar="D", default="auto", help="auto / float32 / bfloat16 / float16"
     )
@@ -101,21 +90,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-tokens", metavar="N", type=int, default=256, help="default max_tokens")
     p.set_defaults(func=run)
-
-
-def open_store(store_path: str | None, redis_url: str | None, namespace: str | None):
-    """A RAM tier in front of the disk tier ``ragblend warmup`` writes (or of Redis)."""
-    from ragblend.store import DiskStore, MemoryStore, TieredStore
-
-    if redis_url:
-        from ragblend.store.layered import LayeredStore
-        from ragblend.store.redis import RedisStore
-
-        redis = RedisStore(redis_url, namespace=namespace)
-        if not redis.ping():
-            log.warning("the Redis tier is unreachable now: lookups are misses until it is back")
-        return LayeredStore([MemoryStore(), redis])
-    return TieredStore(MemoryStore(), DiskStore(store_path))
 
 
 def is_loopback(host: str) -> bool:
@@ -178,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     config = BlendConfig(
         device=args.device, dtype=args.dtype, weights=args.weights, namespace=args.namespace
     )
-    store = open_store(args.store_path, args.redis_url, args.namespace)
+    store = open_store(StoreFlags.of(args), ram_front=True)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, args.model) if n))
     app = create_app(
         lambda: BlendEngine.from_pretrained(args.model, config=config, store=store),
