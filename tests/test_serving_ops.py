@@ -68,6 +68,19 @@ def test_health_is_503_while_the_model_loads_then_200(model, tokenizer):
         assert httpx.post(f"{url}/v1/chat/completions", json=HI, timeout=60).status_code == 200
 
 
+def test_the_caller_thread_loads_and_computes_as_ragblend_serve_does(model, tokenizer):
+    app = create_app(lambda: make_engine(model, tokenizer), scheduler_thread=False)
+    with ServerThread(app) as url:
+        assert httpx.get(f"{url}/health").json()["status"] == "loading"
+        compute = threading.Thread(target=app.state.server.run, name="test-compute")
+        compute.start()
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, "the model loaded")
+        assert httpx.post(f"{url}/v1/chat/completions", json=HI, timeout=60).status_code == 200
+        assert compute.is_alive()
+    compute.join(timeout=30)  # the app's shutdown stopped the loop
+    assert not compute.is_alive()
+
+
 def test_a_dead_compute_loop_fails_its_requests_and_health_says_503(model, tokenizer):
     app = create_app(make_engine(model, tokenizer))
     with ServerThread(app) as url:
