@@ -236,11 +236,9 @@ def create_app(
             return usage_events(chunk, done, info, body.include_usage)
 
         if body.stream:
-            first = p.chat_chunk(cid, body.model, {"role": "assistant", "content": ""})
-            events = sse(
-                waiter, chunk, final, logprobs, metrics, keepalive_s, timeout_s,
-                first if chat else None,
-            )  # fmt: skip
+            role = {"role": "assistant", "content": ""}
+            first = p.chat_chunk(cid, body.model, role) if chat else None
+            events = sse(waiter, chunk, final, logprobs, metrics, keepalive_s, timeout_s, first)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             event = await waiter.event_or_gone(request)
@@ -254,7 +252,7 @@ def create_app(
                 return error(event.status, event.message)
             logged(event, rid)
             build = p.chat_response if chat else p.text_response
-            lp = logprobs(event.logprobs or []) if event.logprobs is not None else None
+            lp = logprobs(event.logprobs) if event.logprobs is not None else None
             out = build(cid, body.model, event.text, event.finish_reason, event.stats, rid, lp)
             # also as a header: clients that keep only headers (LangChain's
             # ChatOpenAI(include_response_headers=True)) see what happened too
