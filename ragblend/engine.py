@@ -331,8 +331,6 @@ class BlendEngine:
 
     def _fused_prefill_once(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
         t_load = time.perf_counter()
-        # a head missing from the store is computed now (and stored): not served from a cache
-        head_cached = bool(prompt.head) and self.chunks.prefix_key(prompt.head) in self.store
         schedule: list | None
         if mode == "prefix":  # exact prefix cache; everything after it is prefilled
             segments, schedule = self.chunks.prefix_segments(prompt), None
@@ -354,8 +352,8 @@ class BlendEngine:
                 stats.ratio = r
                 schedule = None if r >= 1.0 else self.config.schedule(r)
         stats.load_ms = (time.perf_counter() - t_load) * 1000
-        cached = [s for s in segments if s.kv is not None and (s.kind != "prefix" or head_cached)]
-        stats.cached_tokens = sum(len(s) for s in cached)
+        # a head missing from the store is computed now (then stored): not served from a cache
+        stats.cached_tokens = sum(len(s) for s in segments if s.kv is not None and not s.computed)
         fusion = fuse(
             self.layers,
             segments,
