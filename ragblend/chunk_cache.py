@@ -156,7 +156,7 @@ class ChunkCache:
         context_len = len(context_ids)
         segments = []
         if context_ids:
-            segments.append(Segment("prefix", context_ids, self.prefix_kv(context_ids), exact=True))
+            segments.append(self.prefix_segment(context_ids))
         segments.append(Segment("chunk", list(ids)))
         capture = PreRopeCapture()
         layers: Iterable = self.loader(segments)
@@ -175,15 +175,19 @@ class ChunkCache:
 
     def prefix_kv(self, head: list[int]) -> KVEntry | None:
         """Exact KV of a prompt head (computed once, then served from the store)."""
+        return self.prefix_segment(head).kv
+
+    def prefix_segment(self, head: list[int]) -> Segment:
+        """The head as an exact segment with its KV (``computed`` when it was not stored)."""
         if not head:
-            return None
+            return Segment("prefix", head, None, exact=True)
         key = self.prefix_key(head)
         kv = self.store.get(key)
         if kv is None:
-            computed = self.compute_kv(head, [])
-            self.store.put(key, computed)
-            return computed
-        return kv
+            kv = self.compute_kv(head, [])
+            self.store.put(key, kv)
+            return Segment("prefix", head, kv, exact=True, computed=True)
+        return Segment("prefix", head, kv, exact=True)
 
     def precompute_ids(
         self,
@@ -231,7 +235,7 @@ class ChunkCache:
         """The prompt as fusor segments (head exact, chunks with their stored KV or none,
         separators and tail uncached) and the indices of the chunks that missed."""
         context_ids = self.context_ids(prompt.head)
-        segments = [Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True)]
+        segments = [self.prefix_segment(prompt.head)]
         missing = []
         for i, chunk in enumerate(prompt.chunks):
             if i and prompt.separator:
@@ -246,7 +250,7 @@ class ChunkCache:
     def prefix_segments(self, prompt: TokenizedPrompt) -> list[Segment]:
         """Exact prefix cache, everything after it uncached (``prefix`` mode)."""
         return [
-            Segment("prefix", prompt.head, self.prefix_kv(prompt.head), exact=True),
+            self.prefix_segment(prompt.head),
             Segment("rest", prompt.ids[len(prompt.head) :]),
         ]
 

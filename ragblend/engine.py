@@ -15,6 +15,7 @@ import torch
 from ragblend.chunk_cache import ChunkCache
 from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.errors import CorruptEntryError, RagblendError
+from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
 from ragblend.fusion.fusor import fuse
 from ragblend.fusion.native import NativeKernels, native_kernels
 from ragblend.fusion.selection import make_selector
@@ -293,6 +294,7 @@ class BlendEngine:
             if decision.fallback_full:
                 _fall_back(
                     stats,
+                    CONTROLLER_FULL,
                     f"loading the chunk KV from the {decision.tier} tier would "
                     "take longer than a full prefill (loading controller)",
                 )
@@ -340,7 +342,8 @@ class BlendEngine:
                 self.on_miss([prompt.chunk_texts[i] for i in missing])
             if not stats.chunk_hits:
                 what = "every chunk missed the cache" if prompt.chunks else "no chunks given"
-                _fall_back(stats, f"no chunk to fuse: {what}; precompute the chunks first")
+                reason = CACHE_MISS if prompt.chunks else NO_KNOWN_CHUNK
+                _fall_back(stats, reason, f"no chunk to fuse: {what}; precompute the chunks first")
                 return self.full_prefill(prompt.ids, stats)
             if mode == "reuse":
                 schedule = []
@@ -349,6 +352,8 @@ class BlendEngine:
                 stats.ratio = r
                 schedule = None if r >= 1.0 else self.config.schedule(r)
         stats.load_ms = (time.perf_counter() - t_load) * 1000
+        # a head missing from the store is computed now (then stored): not served from a cache
+        stats.cached_tokens = sum(len(s) for s in segments if s.kv is not None and not s.computed)
         fusion = fuse(
             self.layers,
             segments,
@@ -432,7 +437,9 @@ class BlendEngine:
     ) -> BlendResult:
         """Answer ``question`` over ``chunks`` (retrieval order); mode defaults to config.mode.
 
-        ``sampling``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``.
+        ``sampling``: :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``seed``, ``repetition_penalty``, ``presence_penalty``,
+        ``frequency_penalty``).
         """
         return self.stream(
             question, chunks, mode=mode, ratio=ratio, prompt_format=prompt_format, **sampling
@@ -497,7 +504,6 @@ class BlendEngine:
 _UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for
 
 
-def _fall_back(stats: BlendStats, reason: str) -> None:
-    log.info("full prefill instead of %s: %s", stats.mode, reason)
-    stats.mode = "full"
-    stats.fallback_reason = reason
+def _fall_back(stats: BlendStats, reason: str, message: str) -> None:
+    log.info("full prefill instead of %s: %s", stats.mode, message)
+    fall_back(stats, reason, message)

@@ -1,7 +1,8 @@
 """Generation after a prefill: sampling parameters, next-token choice, the decode loop, streams.
 
-In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams`, one next-token
-choice (``Sampler``), and :func:`decode_tokens`, which decodes into preallocated K/V (a
+In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams` and one
+next-token choice (``Sampler``; both live in ``ragblend.sampling``, shared with the server's
+scheduler), and :func:`decode_tokens`, which decodes into preallocated K/V (a
 :class:`~ragblend.layer_decode.LayerDecoder`, or HF's ``StaticCache`` where that does not
 apply) so each new token is written in place instead of concatenated onto every layer's K/V
 (``DynamicCache`` copies the whole context per token).
@@ -14,13 +15,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from ragblend.bridge import aiter_in_thread
-from ragblend.errors import RagblendError
 from ragblend.layer_decode import LayerDecoder
+from ragblend.sampling import Sampler as Sampler
+from ragblend.sampling import SamplingParams as SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -35,7 +37,7 @@ class BlendStats:
 
     ``mode`` is the mode that actually ran: a blend/reuse request that ends as a full prefill
     (nothing to fuse, or the loading controller's fallback) says ``"full"`` and gives the
-    reason in ``fallback_reason``.
+    reason in ``fallback_reason`` (a code of ``ragblend.fallback``) and ``fallback_message``.
     """
 
     mode: str
@@ -44,13 +46,15 @@ class BlendStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     chunk_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the chunk or prefix caches
     chunk_hits: int = 0
     chunk_misses: int = 0
     recomputed_fraction: float = 1.0
     ratio: float | None = None
     finish_reason: str = ""
     decode_ms: float = 0.0
-    fallback_reason: str | None = None
+    fallback_reason: str | None = None  # ragblend.fallback's code; None when chunks were fused
+    fallback_message: str | None = None  # the same for a person, with what fixes it
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -78,64 +82,6 @@ class BlendResult:
     text: str
     token_ids: list[int]
     stats: BlendStats
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen. ``temperature == 0`` is greedy; ``max_new_tokens=None`` means
-    the engine's ``config.max_new_tokens``."""
-
-    max_new_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens is not None and self.max_new_tokens < 0:
-            raise RagblendError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise RagblendError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RagblendError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RagblendError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-class Sampler:
-    """Next-token choice for one request (holds the RNG and the HF logits warpers)."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        from transformers import (
-            LogitsProcessorList,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        self.params = params
-        self.warpers = LogitsProcessorList()
-        if not params.greedy:
-            self.warpers.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k:
-                self.warpers.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(params.top_p))
-        seed = params.seed
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-
-    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
-        """The next token from ``logits`` [vocab]; ``history`` is the ids so far."""
-        if self.params.greedy:
-            return int(torch.argmax(logits))
-        input_ids = cast("torch.LongTensor", torch.tensor([history]))
-        scores = self.warpers(input_ids, logits.view(1, -1).float().cpu())
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 def decode_cache(model: PreTrainedModel, prompt_cache, total_len: int):
@@ -184,13 +130,12 @@ def decode_tokens(
     stats.finish_reason = "length"
     if max_new_tokens <= 0:
         return
-    sample = Sampler(params)
-    history = list(prefill.prompt_ids) if not params.greedy else []
+    sample = Sampler(params, prefill.prompt_ids)
     total = len(prefill.prompt_ids) + max_new_tokens
     advance = decode_step(model, layers, prefill, total, kernels)
     logits = prefill.logits
     for step in range(max_new_tokens):
-        token = sample(logits, history)
+        token = sample(logits)
         if token in eos_ids:
             stats.finish_reason = "stop"
             return
@@ -198,8 +143,6 @@ def decode_tokens(
         yield token
         if step + 1 == max_new_tokens:
             return
-        if not params.greedy:  # only the logits warpers read the history
-            history.append(token)
         logits = advance(token)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import ahocorasick
 
+from ragblend.fallback import CACHE_MISS, NO_KNOWN_CHUNK, fall_back
 from ragblend.prompt import TokenizedPrompt, encode
 
 # Texts shorter than this are never matched: short strings occur by chance in any prompt.
@@ -285,22 +286,19 @@ FALLBACK_FIXES = {
 
 
 def mark_fallback(stats, requested_mode: str) -> str | None:
-    """Set ``stats.mode = "full"`` and ``stats.extra["fallback_reason"]`` when a
-    ``reuse``/``blend`` call fused no chunk; returns the reason (None: chunks were fused)."""
+    """Record why a ``reuse``/``blend`` call fused no chunk (``ragblend.fallback``'s code in
+    ``stats.fallback_reason``, mirrored in ``stats.extra["fallback_reason"]``, and
+    ``stats.mode = "full"``); returns the code (None: chunks were fused)."""
     if requested_mode not in ("reuse", "blend"):
         return None
-    reason = stats.extra.get("fallback_reason")
-    controller = stats.extra.get("controller") or {}
-    if reason is None and controller.get("fallback_full"):
-        reason = "controller_full"
-    elif reason is None and stats.fallback_reason is not None:
-        reason = "cache_miss"  # the engine had chunks to fuse, and none of them hit
-    elif reason is None and stats.mode == "full":
-        reason = "no_known_chunk"  # the integration found no chunk in the text
+    reason = stats.extra.get("fallback_reason") or stats.fallback_reason
+    if reason is None and stats.mode == "full":
+        reason = NO_KNOWN_CHUNK  # the integration found no chunk in the text
     elif reason is None and not stats.chunk_hits:
-        reason = "cache_miss"
+        reason = CACHE_MISS
     if reason is not None:
-        stats.mode = "full"
+        if stats.fallback_reason != reason:
+            fall_back(stats, reason)
         stats.extra["fallback_reason"] = reason
     return reason
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ragblend.errors import RagblendError
+from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
 
 def add_parser(sub) -> None:
@@ -40,8 +41,6 @@ def add_parser(sub) -> None:
         "Chroma documents are kept whole unless given)",
     )
     p.add_argument("--limit", type=int, default=None, help="dataset: first N questions")
-    p.add_argument("--store-path", default=None, help="disk store (default: ragblend_home()/kv)")
-    p.add_argument("--store-bytes", type=int, default=None, help="disk store capacity in bytes")
     p.add_argument(
         "--model",
         default="embedded",
@@ -50,12 +49,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--redis-url",
-        default=None,
-        help="write into the shared Redis/Valkey tier (redis://, rediss://, unix://)",
+    add_store_arguments(
+        p,
+        redis_help="write into the shared Redis/Valkey tier (redis://, rediss:// or unix:// URL)",
+        store_bytes=True,
     )
-    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
     ray = p.add_argument_group("Ray (distributed precompute into --redis-url)")
     ray.add_argument(
         "--ray",
@@ -133,22 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir(args.model))
         return _run_ray(args, _chunks(args, tokenizer), config)
-    store = _open_store(args)
+    store = open_store(StoreFlags.of(args), require_redis=True, block_when_full=True)
     engine = BlendEngine.from_pretrained(args.model, config=BlendConfig(**config), store=store)
     return _run_local(args, engine, store, _chunks(args, engine.tokenizer))
-
-
-def _open_store(args: argparse.Namespace):
-    if args.redis_url:
-        from ragblend.store.redis import RedisStore
-
-        store = RedisStore(args.redis_url, namespace=args.namespace, block_when_full=True)
-        if not store.ping():
-            raise RagblendError(f"cannot reach Redis at {store.url}: {store.last_error}")
-        return store
-    from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskStore
-
-    return DiskStore(args.store_path, args.store_bytes or DEFAULT_DISK_BYTES)
 
 
 def _chunks(args: argparse.Namespace, tok) -> list[str]:

@@ -94,7 +94,8 @@ def test_fallback_runs_a_full_prefill(engine):
     got = engine.prefill(prompt, mode="blend")
     assert got.stats.extra["controller"]["fallback_full"] is True
     assert got.stats.mode == "full"  # the mode that ran, not the one asked for
-    assert "longer than a full prefill" in got.stats.fallback_reason
+    assert got.stats.fallback_reason == "controller_full"
+    assert "longer than a full prefill" in got.stats.fallback_message
     assert got.fusion is None  # no fused path was taken
     want = engine.prefill(prompt, mode="full")
     assert torch.equal(got.logits, want.logits)

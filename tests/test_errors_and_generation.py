@@ -221,7 +221,8 @@ def test_a_call_with_no_cached_chunk_runs_full_prefill_and_says_why(tokenizer, m
     prompt = engine.tokenize(QUESTION, CHUNKS)
     out = engine.prefill(prompt, mode)
     assert out.stats.mode == "full" and out.fusion is None
-    assert "every chunk missed" in out.stats.fallback_reason
+    assert out.stats.fallback_reason == "cache_miss"
+    assert "every chunk missed" in out.stats.fallback_message
     assert (out.stats.chunk_hits, out.stats.chunk_misses) == (0, len(CHUNKS))
     assert torch.equal(out.logits, engine.prefill(prompt, "full").logits)
     result = engine.generate(QUESTION, CHUNKS, mode=mode, max_new_tokens=2)

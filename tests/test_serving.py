@@ -20,8 +20,9 @@ from serving_server import ServerThread
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.serving.app import create_app
-from ragblend.serving.command import open_store, warn_if_exposed
+from ragblend.serving.command import warn_if_exposed
 from ragblend.store import DiskStore
+from ragblend.store.cli import StoreFlags, open_store
 
 MODEL = "tiny"
 redis_server = fixtures.redis_server
@@ -78,8 +79,10 @@ def test_chat_and_completion_answer_with_the_ragblend_object(server):
     )
     assert chat.choices[0].finish_reason in ("length", "stop")
     info = chat.model_extra["ragblend"]
-    assert set(info) == {"mode", "ttft_ms", "chunk_hits", "chunk_misses", "fallback_reason"}
-    assert info["mode"] == "full" and info["fallback_reason"]  # no known chunk in "Hi"
+    keys = {"mode", "ttft_ms", "chunk_hits", "chunk_misses", "fallback_reason", "request_id"}
+    assert set(info) == keys | {"fallback_message"}
+    assert info["mode"] == "full" and info["fallback_reason"] == "no_known_chunk"  # in "Hi"
+    assert "precompute the chunks" in info["fallback_message"]
     text = oa.completions.create(model=MODEL, prompt="Once upon", max_tokens=3, temperature=0)
     assert text.usage.completion_tokens <= 3
     assert text.model_extra["ragblend"]["ttft_ms"] > 0
@@ -119,8 +122,8 @@ def test_warmed_chunks_blend_and_full_mode_can_be_asked_for(server):
     )
     last = list(stream)[-1]
     assert last.model_extra["ragblend"]["chunk_hits"] == 3
-    assert metric(url, "ragblend_chunk_hits_total") >= 6
-    assert metric(url, "ragblend_ttft_seconds_count", mode="blend") >= 2
+    assert metric(url, "ragblend:chunk_hits_total") >= 6
+    assert metric(url, "ragblend:time_to_first_token_seconds_count", mode="blend") >= 2
 
 
 def test_batched_greedy_decoding_equals_each_request_alone(server):
@@ -191,8 +194,8 @@ def test_full_queue_answers_429_and_a_disconnected_stream_frees_its_slot(model, 
         while httpx.get(f"{url}/health").json()["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.get(f"{url}/health").json()["running"] == 0
-        assert metric(url, "ragblend_cancelled_requests_total") == 1
-        assert metric(url, "ragblend_generated_tokens_total") < 2999
+        assert metric(url, "ragblend:cancelled_requests_total") == 1
+        assert metric(url, "ragblend:generation_tokens_total") < 2999
         after = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2})
         assert after.status_code == 200
 
@@ -222,7 +225,9 @@ def test_chunks_another_engine_warmed_into_the_disk_store_hit(model, tokenizer, 
     texts = tmp_path / "kv" / "texts"
     assert stat.S_IMODE(texts.stat().st_mode) == 0o700
     assert stat.S_IMODE((texts / "chunk_texts.sqlite").stat().st_mode) == 0o600
-    engine = make_engine(model, tokenizer, store=open_store(str(tmp_path / "kv"), None, None))
+    engine = make_engine(
+        model, tokenizer, store=open_store(StoreFlags(str(tmp_path / "kv")), ram_front=True)
+    )
     with ServerThread(create_app(engine)) as url:
         reply = client(url).chat.completions.create(
             model=MODEL, messages=rag_messages(), max_tokens=2
@@ -248,7 +253,11 @@ def test_chunks_found_but_missed_are_precomputed_again_between_steps(model, toke
 
 def test_two_servers_on_one_redis_tier_share_warmed_chunks(model, tokenizer, redis_server):
     engines = [
-        make_engine(model, tokenizer, store=open_store(None, redis_server.url, "t26"))
+        make_engine(
+            model,
+            tokenizer,
+            store=open_store(StoreFlags(None, redis_server.url, "t26"), ram_front=True),
+        )
         for _ in range(2)
     ]
     with (
@@ -287,11 +296,11 @@ def test_langchain_chat_openai_rag_chain_blends(server):
     )
     join = RunnableLambda(lambda ds: "\n\n".join(d.page_content for d in ds))
     chain = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | llm
-    hits = metric(url, "ragblend_chunk_hits_total")
+    hits = metric(url, "ragblend:chunk_hits_total")
     message = chain.invoke(QUESTION)
     info = json.loads(message.response_metadata["headers"]["x-ragblend"])
     assert info["mode"] == "blend" and info["chunk_hits"] == 3
-    assert metric(url, "ragblend_chunk_hits_total") == hits + 3
+    assert metric(url, "ragblend:chunk_hits_total") == hits + 3
     assert isinstance((chain | StrOutputParser()).invoke(QUESTION), str)
 
 
@@ -311,7 +320,7 @@ def test_llama_index_openai_like_call_blends(server):
         max_tokens=4,
         temperature=0,
     )
-    hits = metric(url, "ragblend_chunk_hits_total")
+    hits = metric(url, "ragblend:chunk_hits_total")
     prompt = DEFAULT_TEXT_QA_PROMPT.format(context_str="\n\n".join(CHUNKS), query_str=QUESTION)
     assert isinstance(llm.complete(prompt).text, str)
-    assert metric(url, "ragblend_chunk_hits_total") == hits + 3
+    assert metric(url, "ragblend:chunk_hits_total") == hits + 3

@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from ragblend import cpu
 from ragblend.config import KV_DTYPES, MODES, BlendConfig
 from ragblend.fusion.native import ROW_ATTENTION
 from ragblend.models.gguf import WEIGHTS
 from ragblend.models.quantized import quantized_weights, weight_bytes
+from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
+
+if TYPE_CHECKING:
+    from ragblend.store.base import KVStore
+    from ragblend.store.disk import DiskStore
+    from ragblend.store.redis import RedisStore
 
 
 def add_parser(sub) -> None:
@@ -36,13 +42,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--tier", choices=("ram", "disk", "redis"), default="ram", help="where chunk KV lives"
     )
-    p.add_argument(
-        "--redis-url",
-        default="redis://127.0.0.1:6379/0",
-        help="--tier redis: redis:// rediss:// or unix:// URL",
+    add_store_arguments(
+        p,
+        disk_help="--tier disk: the directory (default: a new temp dir)",
+        redis_help="--tier redis: redis://, rediss:// or unix:// URL",
+        redis_default="redis://127.0.0.1:6379/0",
     )
-    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
-    p.add_argument("--store-path", default=None, help="disk tier directory (default: temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="auto (default) / float32 / bfloat16 / float16")
     p.add_argument(
@@ -108,26 +113,20 @@ def run(args: argparse.Namespace) -> int:
     if args.namespace:
         overrides["namespace"] = args.namespace
     config = BlendConfig(**overrides)
-    store = None
+    store: KVStore | None = None
     before = None
     if args.tier == "disk":
-        from ragblend.store import make_store
-
         path = args.store_path or tempfile.mkdtemp(prefix="ragblend-bench-kv-")
-        store = make_store("disk", path=path)
-        drop = store.drop_page_cache
+        disk = cast("DiskStore", open_store(StoreFlags(store_path=path)))
+        store, drop = disk, disk.drop_page_cache
 
         def before(variant):  # cold reads: no RAM tier, OS page cache dropped
             if variant.mode in ("reuse", "blend"):
                 drop()
 
     if args.tier == "redis":
-        from ragblend.store import make_store
-        from ragblend.store.redis import RedisStore
-
-        redis_store = cast(
-            RedisStore, make_store("redis", url=args.redis_url, namespace=args.namespace)
-        )
+        flags = StoreFlags(redis_url=args.redis_url, namespace=args.namespace)
+        redis_store = cast("RedisStore", open_store(flags))
         store = redis_store
         before = lambda variant: redis_store.flush()  # noqa: E731  (measure reads from Redis)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)

@@ -29,12 +29,14 @@ class Segment:
 
     ``exact`` marks a cache that equals full prefill (a prefix cache at position 0): its rows
     are never recomputed. Rows of segments without a cache are always recomputed.
+    ``computed``: the cache was computed for this prompt, not served from the store.
     """
 
     kind: str
     ids: list[int]
     kv: KVEntry | None = None
     exact: bool = False
+    computed: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -3,8 +3,8 @@
 Chunks warmed into the same store (``ragblend warmup``, another server, an integration, or
 ``POST /v1/ragblend/chunks``) are found in any request's text and blended; each response says
 what happened in its ``ragblend`` object. Binds 127.0.0.1 unless told otherwise; with
-``--api-key`` (or RAGBLEND_API_KEY) every endpoint but /health needs
-``Authorization: Bearer <key>``.
+``--api-key`` / ``--api-key-file`` (or RAGBLEND_API_KEY) every /v1 path needs
+``Authorization: Bearer <key>``. /health answers 503 until the model is loaded.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import ipaddress
 import logging
 import os
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 from ragblend.errors import RagblendError
+from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
 log = logging.getLogger(__name__)
 
@@ -27,48 +30,66 @@ def add_parser(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="embedded", help="'embedded', a local HF dir or a .gguf")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    store = p.add_mutually_exclusive_group()
-    store.add_argument(
-        "--store-path", default=None, help="disk store (default: the one `ragblend warmup` writes)"
+    p.add_argument(
+        "--model", metavar="M", default="embedded", help="'embedded', a local HF dir or a .gguf"
     )
-    store.add_argument("--redis-url", default=None, help="the shared Redis/Valkey tier instead")
-    p.add_argument("--namespace", default=None, help="tenant namespace salting every KV key")
-    p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
+    p.add_argument(
+        "--host", metavar="ADDR", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
+    )
+    p.add_argument("--port", metavar="N", type=int, default=8000, help="port (default 8000)")
+    add_store_arguments(p)
+    p.add_argument(
+        "--dtype", metavar="D", default="auto", help="auto / float32 / bfloat16 / float16"
+    )
     p.add_argument(
         "--weights",
+        metavar="W",
         default="auto",
         choices=("auto", "dequantize"),
         help="a GGUF's quantized tensors: auto (kept as blocks) or dequantize",
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", metavar="D", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` (default: $RAGBLEND_API_KEY, else none)",
+        metavar="KEY",
+        action="append",
+        default=[],
+        help="require `Authorization: Bearer KEY` on /v1 paths (repeatable; also "
+        "$RAGBLEND_API_KEY)",
     )
-    p.add_argument("--served-model-name", default=None, help="the model name clients send")
-    p.add_argument("--max-running", type=int, default=8, help="requests decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        default=None,
+        help="more keys, one per line (blank lines and # comments ignored)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        action="append",
+        default=[],
+        help="CORS origins allowed to call the API (repeatable or comma-separated; none by "
+        "default)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is cancelled and answered with an error "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--served-model-name", metavar="NAME", default=None, help="the model name clients send"
+    )
+    p.add_argument(
+        "--max-running", metavar="N", type=int, default=8, help="requests decoded together"
+    )
+    p.add_argument(
+        "--max-queue", metavar="N", type=int, default=64, help="waiting requests before 429"
+    )
+    p.add_argument("--max-tokens", metavar="N", type=int, default=256, help="default max_tokens")
     p.set_defaults(func=run)
-
-
-def open_store(store_path: str | None, redis_url: str | None, namespace: str | None):
-    """A RAM tier in front of the disk tier ``ragblend warmup`` writes (or of Redis)."""
-    from ragblend.store import DiskStore, MemoryStore, TieredStore
-
-    if redis_url:
-        from ragblend.store.layered import LayeredStore
-        from ragblend.store.redis import RedisStore
-
-        redis = RedisStore(redis_url, namespace=namespace)
-        if not redis.ping():
-            log.warning("the Redis tier is unreachable now: lookups are misses until it is back")
-        return LayeredStore([MemoryStore(), redis])
-    return TieredStore(MemoryStore(), DiskStore(store_path))
 
 
 def is_loopback(host: str) -> bool:
@@ -80,7 +101,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_exposed(host: str, api_key: str | None) -> bool:
+def api_keys(given: Sequence[str], key_file: str | None, env: str | None) -> list[str]:
+    """Every accepted key: ``--api-key`` values, the lines of ``--api-key-file`` (blank lines
+    and ``#`` comments skipped) and ``$RAGBLEND_API_KEY``, each once."""
+    keys = [k.strip() for k in given]
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as exc:
+            raise RagblendError(f"cannot read --api-key-file {key_file}: {exc}") from None
+        keys += [line.strip() for line in lines]
+    keys.append((env or "").strip())
+    keys = [k for k in keys if k and not k.startswith("#")]
+    return list(dict.fromkeys(keys))
+
+
+def origins(values: Sequence[str]) -> list[str]:
+    """``--allowed-origins`` values, each repeatable or a comma-separated list."""
+    return [o.strip() for v in values for o in v.split(",") if o.strip()]
+
+
+def warn_if_exposed(host: str, api_key: str | Sequence[str] | None) -> bool:
     """Log a warning (and return True) when ``host`` is not loopback and there is no key."""
     if api_key or is_loopback(host):
         return False
@@ -104,22 +145,25 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.config import BlendConfig
     from ragblend.engine import BlendEngine
 
-    api_key = args.api_key or os.environ.get("RAGBLEND_API_KEY") or None
-    warn_if_exposed(args.host, api_key)
+    keys = api_keys(args.api_key, args.api_key_file, os.environ.get("RAGBLEND_API_KEY"))
+    if args.timeout is not None and args.timeout <= 0:
+        raise RagblendError(f"--timeout must be > 0, got {args.timeout}")
+    warn_if_exposed(args.host, keys)
     config = BlendConfig(
         device=args.device, dtype=args.dtype, weights=args.weights, namespace=args.namespace
     )
-    store = open_store(args.store_path, args.redis_url, args.namespace)
-    engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
-    names = tuple(dict.fromkeys(n for n in (args.served_model_name, engine.name, args.model) if n))
+    store = open_store(StoreFlags.of(args), ram_front=True)
+    names = tuple(dict.fromkeys(n for n in (args.served_model_name, args.model) if n))
     app = create_app(
-        engine,
+        lambda: BlendEngine.from_pretrained(args.model, config=config, store=store),
         model_names=names,
-        api_key=api_key,
+        api_key=keys,
         max_running=args.max_running,
         max_queue=args.max_queue,
         default_max_tokens=args.max_tokens,
         scheduler_thread=False,
+        timeout_s=args.timeout,
+        allowed_origins=origins(args.allowed_origins),
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
 
@@ -127,12 +171,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             server.run()
         finally:
-            app.state.scheduler.stop()
+            app.state.server.stop()
 
     http = threading.Thread(target=serve_http, name="ragblend-http")
-    http.start()
-    try:  # the thread that loaded the model computes: one OpenMP team (ragblend.threads)
-        app.state.scheduler.run()
+    http.start()  # /health answers 503 while the model loads
+    try:  # the thread that loads the model computes: one OpenMP team (ragblend.threads)
+        app.state.server.run()
     except KeyboardInterrupt:
         pass
     finally:

@@ -7,8 +7,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ragblend.generation import BlendStats, SamplingParams
+from ragblend.generation import BlendStats
 from ragblend.prompt import TokenizedPrompt
+from ragblend.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -21,7 +22,9 @@ class GenerationJob:
     max_tokens: int
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    fallback_reason: str | None = None  # why plain ids run in full although mode asks more
+    fallback_reason: str | None = None  # ragblend.fallback's code: why plain ids run in full
+    logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely
+    request_id: str = ""
     arrived: float = field(default_factory=time.perf_counter)
 
     @property
@@ -31,7 +34,10 @@ class GenerationJob:
 
 @dataclass
 class Delta:
+    """New text, with the logprobs of the tokens handed out since the last delta."""
+
     text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Finished:
     text: str
     finish_reason: str
     stats: BlendStats
+    logprobs: list[TokenLogprobs] | None = None  # every generated token's, when asked for
 
 
 @dataclass
@@ -51,7 +58,12 @@ Event = Delta | Finished | Failed
 
 
 class QueueFull(Exception):
-    """Every slot is busy and the waiting queue is full."""
+    """Every slot is busy and the waiting queue is full (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The server cannot take requests: loading, shutting down, or its compute thread died
+    (HTTP 503)."""
 
 
 class RequestHandle:

@@ -4,7 +4,7 @@ A request carries no chunk boundaries: its messages (or prompt) are searched for
 known chunks (every chunk recorded with the engine's store, see ``BlendEngine.known_chunks``)
 and split there (``ragblend.matching.chunked_prompt``), so any OpenAI client blends unchanged.
 Every mode runs on those same ids; a request with no known chunk runs a full prefill of its
-chat-template ids and says why in ``fallback_reason``.
+chat-template ids and says why (``fallback_reason`` ``"no_known_chunk"``, ``fallback_message``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,18 @@ from dataclasses import dataclass
 
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
-from ragblend.generation import SamplingParams
+from ragblend.fallback import NO_KNOWN_CHUNK
 from ragblend.matching import chunked_prompt
 from ragblend.prompt import TokenizedPrompt
+from ragblend.sampling import SamplingParams
 from ragblend.serving.events import GenerationJob
-from ragblend.serving.protocol import ChatCompletionRequest, CompletionRequest
+from ragblend.serving.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 NO_CHUNK = (
     "no known chunk text occurs in the prompt: precompute the chunks first "
@@ -60,7 +67,9 @@ class JobBuilder:
 
     def chat(self, req: ChatCompletionRequest) -> GenerationJob:
         self.check_model(req.model)
-        messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
+        if req.top_logprobs and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = _messages(req.messages)
         tok = self.engine.tokenizer
         try:
             found = chunked_prompt(tok, messages, index=self.engine.known_chunks(), retrieved=())
@@ -70,6 +79,28 @@ class JobBuilder:
         except Exception as exc:  # the chat template refused the conversation
             raise RequestError(f"cannot render the messages: {exc}", param="messages") from None
         return self._job(req, found, ids, req.token_budget())
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """``POST /tokenize``: the ids of ``prompt``, or of ``messages`` as the chat
+        template renders them for generation."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("give either prompt or messages", param="prompt")
+        if req.prompt is not None:
+            tok = self.engine.tokenizer
+            return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        try:
+            return list(self.engine.chat_ids(_messages(req.messages or [])))
+        except Exception as exc:  # the chat template refused the conversation
+            raise RequestError(f"cannot render the messages: {exc}", param="messages") from None
+
+    def detokenize(self, req: DetokenizeRequest) -> str:
+        """``POST /detokenize``: the text of ``tokens``."""
+        self.check_model(req.model)
+        vocab = len(self.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return self.engine.tokenizer.decode(req.tokens)
 
     def completion(self, req: CompletionRequest) -> GenerationJob:
         self.check_model(req.model)
@@ -99,7 +130,7 @@ class JobBuilder:
             prompt = found
         else:
             prompt = ids or []
-            fallback = NO_CHUNK if mode != "full" else None
+            fallback = NO_KNOWN_CHUNK if mode != "full" else None
         n = len(found) if found is not None else len(prompt)
         if not n:
             raise RequestError("the prompt is empty", param="messages")
@@ -119,7 +150,11 @@ class JobBuilder:
                 max_new_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
                 seed=req.seed,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
             )
         except RagblendError as exc:
             raise RequestError(str(exc)) from None
@@ -134,7 +169,12 @@ class JobBuilder:
             stop=stop,
             ignore_eos=req.ignore_eos,
             fallback_reason=fallback,
+            logprobs=req.logprobs_wanted(),
         )
+
+
+def _messages(messages: list[ChatMessage]) -> list[dict]:
+    return [{"role": _role(m.role), "content": m.text()} for m in messages]
 
 
 def _role(role: str) -> str:

@@ -14,7 +14,8 @@ computation of the server (one OpenMP team, see ``ragblend.threads``), in a loop
 
 So a new request waits at most one decode step for its prefill, and running requests pause
 for at most one prefill. The waiting queue is bounded: :meth:`Scheduler.submit` raises
-:class:`QueueFull` (HTTP 429) when it is full.
+:class:`QueueFull` (HTTP 429) when it is full, and :class:`Unavailable` (HTTP 503) when the
+loop is not running (not started yet, shutting down, or stopped by an error).
 """
 
 from __future__ import annotations
@@ -27,39 +28,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
-from ragblend.generation import BlendStats, Prefill, Sampler, decode_step
+from ragblend.fallback import fall_back
+from ragblend.generation import BlendStats, Prefill, decode_step
 from ragblend.layer_decode import LayerDecoder, decode_batch
-from ragblend.serving.events import (
-    Delta,
-    Failed,
-    Finished,
-    GenerationJob,
-    QueueFull,
-    RequestHandle,
-)
+from ragblend.sampling import Sampler
+from ragblend.serving.events import Failed, GenerationJob, QueueFull, RequestHandle, Unavailable
+from ragblend.serving.jobs import NO_CHUNK
 from ragblend.serving.metrics import ServerMetrics
 from ragblend.serving.output import TextOutput
+from ragblend.serving.running import RunningRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Running:
-    handle: RequestHandle
-    job: GenerationJob
-    stats: BlendStats
-    output: TextOutput
-    sampler: Sampler
-    history: list[int]
-    decoder: LayerDecoder | None = None
-    advance: Callable[[int], Any] | None = None  # HF's step where no LayerDecoder applies
-    token: int = -1  # the last sampled token, fed at the next step
-    done: bool = False
 
 
 class Scheduler:
@@ -83,21 +66,38 @@ class Scheduler:
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             collections.deque()
         )
-        self._running: list[_Running] = []
+        self._running: list[RunningRequest] = []
         self._rewarming: set[str] = set()  # chunk texts queued by rewarm, until precomputed
         self._stopping = False
+        self._in_hand: tuple[Any, Any] = (None, None)  # popped this step, not yet handled
+        self._alive = False  # the loop runs (or is about to, on start() / run())
+        self.failure: BaseException | None = None  # what stopped the loop, if anything did
         self.largest_batch = 0  # the most requests one decode step has run together
         self._thread = threading.Thread(target=self._loop, name="ragblend-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ the event loop's side
+    def open(self) -> None:
+        """Take requests from now on (they wait in the queue until the loop runs)."""
+        self._alive = True
+
     def start(self) -> None:
         """Run the loop on a thread of its own."""
+        self.open()
         self._thread.start()
 
     def run(self) -> None:
         """Run the loop on the calling thread until :meth:`stop` (``ragblend serve`` runs it on
-        the thread that loaded the model: one OpenMP team in the process)."""
+        the thread that loaded the model: one OpenMP team in the process). Raises what
+        stopped it, if an error did (requests in flight get 503 first)."""
+        self.open()
         self._loop()
+        if self.failure is not None:
+            raise RagblendError(f"the scheduler stopped: {self.failure}") from self.failure
+
+    @property
+    def alive(self) -> bool:
+        """The loop takes requests (False before start, after stop, or after an error)."""
+        return self._alive and not self._stopping
 
     def stop(self) -> None:
         with self._cond:
@@ -120,11 +120,11 @@ class Scheduler:
         return len(self._rewarming)
 
     def submit(self, job: GenerationJob, loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        """Queue ``job``; raises QueueFull when the waiting queue is full."""
+        """Queue ``job``; raises QueueFull when the waiting queue is full, Unavailable when
+        the loop does not run."""
         handle = RequestHandle(loop)
         with self._cond:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
+            self._check_alive()
             in_flight = len(self._running) + len(self._waiting)
             if in_flight >= self.max_running + self.max_queue:
                 raise QueueFull(
@@ -139,8 +139,7 @@ class Scheduler:
         """Run ``fn()`` on the compute thread between two steps; its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
+            self._check_alive()
             self._calls.append((fn, future))
             self._cond.notify()
         return future
@@ -154,7 +153,7 @@ class Scheduler:
                 continue
             try:
                 future = self.call(functools.partial(self.engine.precompute, [text]))
-            except QueueFull:  # shutting down
+            except Unavailable:  # shutting down
                 return
             self._rewarming.add(text)
             future.add_done_callback(functools.partial(self._rewarmed, text))
@@ -162,8 +161,23 @@ class Scheduler:
     def _rewarmed(self, text: str, _future: concurrent.futures.Future) -> None:
         self._rewarming.discard(text)
 
+    def _check_alive(self) -> None:
+        if self._stopping or not self._alive:
+            what = "stopped after an error" if self.failure else "is shutting down or starting"
+            raise Unavailable(f"the server {what}; retry later")
+
     # ------------------------------------------------------------------ the compute thread
     def _loop(self) -> None:
+        try:
+            self._steps()
+        except Exception as exc:  # the thread dies: say so, and fail what is in flight
+            log.exception("the scheduler loop stopped")
+            self.failure = exc
+        finally:
+            self._alive = False
+            self._shut_down()
+
+    def _steps(self) -> None:
         self.engine._prepare_decode()
         while True:
             with self._cond:
@@ -175,15 +189,16 @@ class Scheduler:
                 admit = None
                 if self._waiting and len(self._running) < self.max_running:
                     admit = self._waiting.popleft()
+                self._in_hand = (call, admit)  # failed by _shut_down if this step dies
             self._drop_cancelled()
             if call is not None:
                 self._run_call(*call)
             if admit is not None and not admit[0].cancelled.is_set():
                 self._admit(*admit)
+            self._in_hand = (None, None)
             if self._running:
                 self._step()
             self._gauges()
-        self._shut_down()
 
     def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -197,7 +212,7 @@ class Scheduler:
         for r in self._running:
             if r.handle.cancelled.is_set():
                 r.done = True
-                log.info("a client went away: its slot is free")
+                log.info("request %s: cancelled (client gone or timed out)", r.job.request_id)
                 if self.metrics is not None:
                     self.metrics.cancelled.inc()
         self._running = [r for r in self._running if not r.done]
@@ -205,20 +220,21 @@ class Scheduler:
     def _prefill(self, job: GenerationJob) -> Prefill:
         if isinstance(job.prompt, list):
             stats = BlendStats(mode="full", prompt_tokens=len(job.prompt))
-            stats.fallback_reason = job.fallback_reason
+            if job.fallback_reason is not None:
+                fall_back(stats, job.fallback_reason, NO_CHUNK)
             return self.engine.full_prefill(job.prompt, stats)
         return self.engine.prefill(job.prompt, mode=job.mode)
 
     def _admit(self, handle: RequestHandle, job: GenerationJob) -> None:
         try:
             pre = self._prefill(job)
-            sampler = Sampler(job.params)
-            history = [] if job.params.greedy else list(job.prompt_ids)
-            first = sampler(pre.logits, history)
+            sampler = Sampler(job.params, job.prompt_ids)
+            first = sampler(pre.logits)
             stats = pre.stats
             stats.ttft_ms = (time.perf_counter() - job.arrived) * 1000
             output = TextOutput(self.engine.tokenizer, job.stop)
-            r = _Running(handle, job, stats, output, sampler, history)
+            eos = self.engine.eos_ids
+            r = RunningRequest(handle, job, stats, output, sampler, eos, self.metrics)
             if job.max_tokens > 1:
                 total = len(job.prompt_ids) + job.max_tokens
                 layers = self.engine.layers
@@ -230,40 +246,13 @@ class Scheduler:
             handle.post(Failed(str(exc), 400))
             return
         except Exception as exc:
-            log.exception("prefill failed")
+            log.exception("request %s: prefill failed", job.request_id)
             handle.post(Failed(f"prefill failed: {exc}", 500))
             return
         if self.metrics is not None:
             self.metrics.first_token(stats)
         self._running.append(r)
-        self._accept(r, first)
-
-    def _accept(self, r: _Running, token: int) -> None:
-        """Hand out ``token`` of request ``r`` (or end it there)."""
-        if not r.job.ignore_eos and token in self.engine.eos_ids:
-            self._finish(r, "stop")
-            return
-        r.stats.completion_tokens += 1
-        delta = r.output.add(token)
-        if delta:
-            r.handle.post(Delta(delta))
-        if r.output.stopped:
-            self._finish(r, "stop")
-        elif r.stats.completion_tokens >= r.job.max_tokens:
-            self._finish(r, "length")
-        else:
-            r.token = token
-            if not r.job.params.greedy:
-                r.history.append(token)
-
-    def _finish(self, r: _Running, reason: str) -> None:
-        rest = r.output.flush()
-        if rest:
-            r.handle.post(Delta(rest))
-        r.stats.finish_reason = reason
-        r.handle.post(Finished(r.output.text, reason, r.stats))
-        r.done = True
-        r.decoder = r.advance = None  # frees the K/V buffers now
+        r.accept(first, pre.logits)
 
     def _step(self) -> None:
         batch = [r for r in self._running if r.decoder is not None]
@@ -276,10 +265,10 @@ class Scheduler:
                     [r.decoder for r in batch if r.decoder], [r.token for r in batch]
                 )
                 for r, row in zip(batch, logits):
-                    self._accept(r, r.sampler(row, r.history))
+                    r.choose(row)
             for r in solo:
                 if r.advance is not None:
-                    self._accept(r, r.sampler(r.advance(r.token), r.history))
+                    r.choose(r.advance(r.token))
         except Exception as exc:
             log.exception("decode step failed")
             for r in batch + solo:
@@ -296,12 +285,19 @@ class Scheduler:
 
     def _shut_down(self) -> None:
         with self._cond:
+            call, admit = self._in_hand
             waiting, self._waiting = list(self._waiting), collections.deque()
             calls, self._calls = list(self._calls), collections.deque()
+            waiting += [admit] if admit is not None else []
+            calls += [call] if call is not None else []
+        why = "the server is shutting down"
+        if self.failure is not None:
+            why = f"the server's compute loop stopped: {self.failure}"
         for handle, _ in waiting:
-            handle.post(Failed("the server is shutting down", 503))
+            handle.post(Failed(why, 503))
         for r in self._running:
-            r.handle.post(Failed("the server is shutting down", 503))
+            r.handle.post(Failed(why, 503))
         self._running = []
         for _, future in calls:
-            future.cancel()
+            if not future.done():
+                future.set_exception(Unavailable(why))

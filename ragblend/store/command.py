@@ -6,8 +6,12 @@ import argparse
 import json
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
-from ragblend.errors import RagblendError
+from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
+
+if TYPE_CHECKING:
+    from ragblend.store.disk import DiskStore
 
 
 def add_parser(sub) -> None:
@@ -19,16 +23,8 @@ def add_parser(sub) -> None:
         ("gc", "drop corrupt/foreign entries, orphan and stale temp files; evict to --max-bytes"),
     ):
         c = cmds.add_parser(name, help=text, description=text)
-        c.add_argument(
-            "--store-path", default=None, help="disk store (default: ragblend_home()/kv)"
-        )
+        add_store_arguments(c, namespace_help="with --redis-url: one tenant's keys")
         c.add_argument("--json", action="store_true", help="print the report as JSON")
-        c.add_argument(
-            "--redis-url",
-            default=None,
-            help="the shared Redis/Valkey tier instead of the disk store",
-        )
-        c.add_argument("--namespace", default=None, help="with --redis-url: one tenant's keys")
         if name == "verify":
             c.add_argument("--drop", action="store_true", help="drop the entries that fail")
             c.add_argument(
@@ -52,21 +48,12 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _open(path: str | None):
-    from ragblend.store.disk import DiskStore, default_store_path
-
-    root = Path(path) if path else default_store_path()
-    if not (root / "index").is_dir():
-        raise RagblendError(f"no KV store at {root}")
-    return DiskStore(root, capacity_bytes=2**62)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.redis_url:
         from ragblend.store.redis_command import run_redis
 
         return run_redis(args)
-    store = _open(args.store_path)
+    store = cast("DiskStore", open_store(StoreFlags(args.store_path), existing=True))
     try:
         if args.cache_command == "stats":
             report = stats(store)

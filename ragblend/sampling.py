@@ -1,0 +1,150 @@
+"""Next-token choice, shared by every decode path (``generation.decode_tokens`` and the
+server's scheduler): sampling parameters, penalties, temperature / top-k / top-p, logprobs.
+
+Penalties follow vLLM's definitions, applied to the raw logits before temperature:
+
+- ``repetition_penalty`` (1 = off) on every token seen in the prompt or the output: a
+  positive logit is divided by it, a negative one multiplied;
+- ``presence_penalty`` is subtracted once from every token in the output so far;
+- ``frequency_penalty`` is subtracted once per occurrence in the output so far.
+
+Logprobs (:func:`token_logprobs`) are the log-softmax of the model's raw logits at that step,
+before penalties and sampling parameters (vLLM's default, ``logprobs_mode="raw_logprobs"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from ragblend.errors import RagblendError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` is greedy; ``max_new_tokens=None`` means
+    the engine's ``config.max_new_tokens``; ``top_k`` 0 (or -1, as vLLM) keeps every token."""
+
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise RagblendError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise RagblendError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RagblendError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise RagblendError(f"top_k must be >= -1, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise RagblendError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RagblendError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    params: SamplingParams,
+) -> torch.Tensor:
+    """``logits`` [vocab] with the repetition, presence and frequency penalties applied (the
+    same tensor when none is set; a new fp32 one otherwise)."""
+    if not params.penalized:
+        return logits
+    out = logits.detach().float().clone()
+    vocab = out.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+        ids = [t for t in (*prompt_ids, *output_ids) if 0 <= t < vocab]
+        if ids:
+            seen[torch.tensor(ids, device=out.device)] = True
+            rp = params.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids_t = torch.tensor([t for t in output_ids if 0 <= t < vocab], dtype=torch.long)
+        counts = torch.bincount(ids_t, minlength=vocab)[:vocab].to(out.device, out.dtype)
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return out
+
+
+class Sampler:
+    """Next-token choice for one request: holds its RNG, its prompt and the tokens chosen so
+    far (the penalties read them). Call it with each step's logits; it records its choice."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.params = params
+        self.prompt_ids = list(prompt_ids) if params.repetition_penalty != 1.0 else []
+        self.output_ids: list[int] = []
+        self.warpers = LogitsProcessorList()
+        if not params.greedy:
+            self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(params.top_p))
+        seed = params.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """The next token from the raw ``logits`` [vocab]."""
+        scores = apply_penalties(logits, self.prompt_ids, self.output_ids, self.params)
+        if self.params.greedy:
+            token = int(torch.argmax(scores))
+        else:
+            # temperature, top-k and top-p never read the ids
+            no_ids = cast("torch.LongTensor", torch.empty((1, 0), dtype=torch.long))
+            warped = self.warpers(no_ids, scores.view(1, -1).float().cpu())
+            probs = torch.softmax(warped, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.output_ids.append(token)
+        return token
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and the ``top`` most likely tokens' (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int = 0) -> TokenLogprobs:
+    """Log-softmax of the raw ``logits`` [vocab]: ``token``'s value and the ``top_n`` best."""
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return TokenLogprobs(token, float(logprobs[token]), top)
