@@ -61,12 +61,13 @@ class BlendConfig:
         the linear weights from the first decode on, made only where it fits in half the
         available memory (an engine that only precomputes never makes it). ``False``: one copy.
     row_attention: how blend's selected rows attend: ``"auto"`` (ragblend's native kernels
-        where they run — fp32 on CPUs with AVX2 + FMA, bf16 on CPUs with AMX-BF16, compiled on
-        first use — else SDPA in masked blocks; a capable CPU that cannot build them logs a
-        warning), ``"native"`` (an error where they cannot run) or ``"sdpa"``. Same attention
-        either way, to rounding; the native path also runs RoPE and Llama-family RMSNorms in
-        one pass each (HF's values bit for bit), and, in fp32, decode steps' attention for all
-        running requests in one call. See ``ragblend.fusion.native``.
+        where they run — fp32 on CPUs with AVX2 + FMA, bf16 on CPUs with AVX512-BF16 or AMX,
+        compiled on first use — else SDPA in masked blocks; a capable CPU that cannot build
+        them logs a warning), ``"native"`` (an error where they cannot run) or ``"sdpa"``. Same
+        attention either way, to rounding; the native path also runs RoPE and Llama-family
+        RMSNorms in one pass each (HF's values bit for bit), and decode steps' attention for
+        all running requests in one call (over fp32 or bf16 K/V). See
+        ``ragblend.fusion.native``.
     """
 
     ratio: float | Literal["auto"] = 0.15

@@ -23,9 +23,9 @@ from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 SLACK = 1.5
 FLOOR = 2e-3
 
-needs_amx = pytest.mark.skipif(
+needs_bf16_level = pytest.mark.skipif(
     not native.cpu_runs_kernel(torch.bfloat16),
-    reason="the native bf16 kernels run on CPUs at the amx level",
+    reason="the native bf16 kernels run on CPUs at the avx512_bf16 level or above",
 )
 
 
@@ -39,7 +39,7 @@ def _inputs(n, rows, heads, kv_heads, dim, seed=0):
     return q, k, v, positions
 
 
-@needs_amx
+@needs_bf16_level
 @pytest.mark.parametrize(
     ("n", "rows", "heads", "kv_heads", "dim"),
     [
@@ -65,7 +65,7 @@ def test_kernel_matches_the_per_row_reference_as_closely_as_sdpa_blocks(
     assert error <= SLACK * sdpa_error + FLOOR, (error, sdpa_error)
 
 
-@needs_amx
+@needs_bf16_level
 def test_a_row_never_sees_a_later_key():
     q, k, v, positions = _inputs(800, 50, 4, 2, 64, seed=1)
     kernel = native.build_kernels().attend_rows
@@ -81,7 +81,7 @@ def test_a_row_never_sees_a_later_key():
     assert not torch.equal(after[:, 26:], before[:, 26:])
 
 
-@needs_amx
+@needs_bf16_level
 def test_bad_positions_are_one_clear_error():
     q, k, v, positions = _inputs(100, 10, 4, 2, 64)
     kernel = native.build_kernels().attend_rows
@@ -93,7 +93,7 @@ def test_bad_positions_are_one_clear_error():
         kernel(q.float(), k.float(), v.float(), positions, 0.125)
 
 
-@needs_amx
+@needs_bf16_level
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blend_with_the_kernel_selects_the_same_rows_and_matches_sdpa_blocks(family, tokenizer):
     model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
@@ -136,10 +136,11 @@ def test_kernel_choice_follows_dtype_device_and_config(monkeypatch, caplog):
     with pytest.raises(RagblendError, match="unknown row_attention"):
         BlendConfig(row_attention="flash")  # type: ignore[arg-type]
 
-    # a CPU without AMX: auto quietly takes SDPA blocks, native names what is missing
+    # a CPU below avx512_bf16: auto quietly takes SDPA blocks, native names what is missing
     monkeypatch.setenv("RAGBLEND_CPU_ISA", "avx2")
     assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None
-    with pytest.raises(RagblendError, match="need CPU level amx; this CPU is at level avx2"):
+    wanted = "need CPU level avx512_bf16; this CPU is at level avx2"
+    with pytest.raises(RagblendError, match=wanted):
         native.native_kernels("native", torch.bfloat16, cpu, 64)
 
 
@@ -175,7 +176,7 @@ def test_a_failed_build_is_tried_once_per_process(monkeypatch):
     assert calls == [torch.float32]
 
 
-@needs_amx
+@needs_bf16_level
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_rope_rotates_in_place_bit_for_bit_as_hf(family, tokenizer):
     model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
@@ -194,7 +195,7 @@ def test_native_rope_rotates_in_place_bit_for_bit_as_hf(family, tokenizer):
         engine.native.rope_(got, cos[:, :10], sin[:, :10])
 
 
-@needs_amx
+@needs_bf16_level
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])  # Llama's norm
 def test_a_layer_with_the_native_rope_and_norm_equals_hf_bit_for_bit(family, tokenizer):
     model = tiny_model(family, dtype=torch.bfloat16, hidden_size=128, head_dim=32)
@@ -215,7 +216,7 @@ def test_a_layer_with_the_native_rope_and_norm_equals_hf_bit_for_bit(family, tok
     assert torch.equal(layers.finish(1, hidden, attn, kernels.rms_norm), want_out)
 
 
-@needs_amx
+@needs_bf16_level
 @pytest.mark.parametrize("width", [3, 8, 100, 576, 2048, 5120])
 def test_native_rms_norm_equals_hf_bit_for_bit(width):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm

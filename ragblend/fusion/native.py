@@ -3,12 +3,14 @@
 SDPA has no CPU kernel that lets each query row attend exactly its own causal prefix: blend's
 selected rows sit anywhere in the prompt, so :func:`attend_rows` otherwise runs them through
 SDPA in position-ordered blocks with additive masks, each block reading keys up to its last
-row. ``csrc/rows_attention.cpp`` does the whole layer in one call: AMX tile matmuls (ATen's
-brgemm micro-kernel) over row tiles in position order, each row's online softmax stopping at
-its own position, the query heads of one KV head stacked into one tile. Beside it,
+row. ``csrc/rows_attention.cpp`` does the whole layer in one call: bf16 tile matmuls (ATen's
+brgemm micro-kernel: AMX tiles, or AVX512-BF16 dot products) over row tiles in position
+order, each row's online softmax stopping at its own position, the query heads of one KV head
+stacked into one tile. Beside it,
 ``csrc/rope.cpp`` rotates keys and queries in place in one pass (torch takes five) and
 ``csrc/rms_norm.cpp`` is HF's Llama RMSNorm in one pass (torch takes six); both give HF's
-values bit for bit. That build is for bf16 on CPUs at the ``amx`` level (:mod:`ragblend.cpu`).
+values bit for bit. That build is for bf16 on CPUs at the ``avx512_bf16`` level or above
+(:mod:`ragblend.cpu`).
 A second build, for fp32 on any CPU at the ``avx2`` level or above, has the same selected-row
 attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``), the same one-pass RoPE
 and RMSNorm (``csrc/rope_f32.cpp``, ``csrc/rms_norm_f32.cpp``), HF's fp32 values bit for bit
@@ -63,8 +65,8 @@ BUILDS = {
     torch.bfloat16: Build(
         "ragblend_native",
         ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp"),
-        "amx",
-        # AMX tile instructions through ATen's brgemm, AVX512 vector code around them
+        "avx512_bf16",
+        # bf16 tile matmuls through ATen's brgemm (AMX, else AVX512-BF16), AVX512 code around
         (
             "-O3",
             "-DCPU_CAPABILITY_AVX512",
@@ -147,7 +149,7 @@ def check_row_attention(choice: str) -> str:
 
 def cpu_runs_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
     """True when the CPU level (:func:`ragblend.cpu.cpu_isa`) is at least the level the
-    kernels for ``dtype`` are compiled for (bf16: ``amx``; fp32: ``avx2``)."""
+    kernels for ``dtype`` are compiled for (bf16: ``avx512_bf16``; fp32: ``avx2``)."""
     build = BUILDS.get(dtype)
     return build is not None and cpu.isa_at_least(build.level)
 
@@ -201,38 +203,45 @@ def _compiled(dtype: torch.dtype) -> NativeKernels:
     except Exception as exc:  # compiler missing or failing: the message says which
         raise RagblendError(f"could not build ragblend's native kernels: {exc}") from exc
     ops = getattr(torch.ops, build.name)
+    _check_rows(ops.attend_rows, ops.rope_, dtype)
     if dtype == torch.float32:
-        _check_f32(ops.attend_rows, ops.rope_)
         _check_decode(ops.decode_attend)
-    elif not ops.supported():
-        raise RagblendError("this CPU's oneDNN has no bf16 brgemm kernel (AMX) for row attention")
     norm = _rms_norm_if_exact(ops.rms_norm, dtype)
     decode = ops.decode_attend if dtype == torch.float32 else None
     return NativeKernels(ops.attend_rows, ops.rope_, norm, dtype, decode)
 
 
-def _check_f32(attend: RowKernel, rope_: RopeKernel) -> None:
-    """RagblendError unless the fp32 kernels give HF's RoPE bit for bit and SDPA's attention
-    to fp32 rounding, on random inputs: the attention's sgemm is the BLAS inside torch's CPU
-    library, whose behaviour ragblend does not control."""
+# the row attention's tolerance against SDPA in float32 over the same inputs, per dtype
+_ROWS_TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _check_rows(attend: RowKernel, rope_: RopeKernel, dtype: torch.dtype) -> None:
+    """RagblendError unless the kernels give HF's RoPE bit for bit and SDPA's attention, on
+    random ``dtype`` inputs: to fp32 rounding in fp32 (the attention's sgemm is the BLAS inside
+    torch's CPU library, whose behaviour ragblend does not control), to bf16 rounding of the
+    fp32 result in bf16 (oneDNN's brgemm micro-kernel: AMX tiles, or AVX512-BF16 dot products
+    where the CPU has no AMX; a CPU where oneDNN has neither fails here)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(1, 2, 300, 32, generator=gen)
-    v = torch.randn(1, 2, 300, 32, generator=gen)
-    cos, sin = torch.randn(2, 1, 300, 32, generator=gen)
+    k, v = (torch.randn(1, 2, 300, 32, generator=gen).to(dtype) for _ in range(2))
+    cos, sin = (t.to(dtype) for t in torch.randn(2, 1, 300, 32, generator=gen))
     want = apply_rotary_pos_emb(k, k, cos, sin)[0]
     if not torch.equal(rope_(k.clone(), cos, sin), want):
-        raise RagblendError("the native fp32 RoPE does not match HF's bit for bit")
+        raise RagblendError(f"the native {dtype} RoPE does not match HF's bit for bit")
     positions = torch.randperm(300, generator=gen)[:70].sort().values
-    q = torch.randn(1, 4, 70, 32, generator=gen)
+    q = torch.randn(1, 4, 70, 32, generator=gen).to(dtype)
     mask = torch.arange(300).view(1, -1) <= positions.view(-1, 1)  # causal by position
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.2, enable_gqa=True
     )
-    got = attend(q, k, v, positions, 0.2)
-    if not torch.allclose(got, ref.transpose(1, 2).reshape(1, 70, -1), atol=1e-5, rtol=1e-4):
-        raise RagblendError("the native fp32 row attention does not match SDPA's")
+    try:
+        got = attend(q, k, v, positions, 0.2).float()
+    except RuntimeError as exc:  # oneDNN without a bf16 brgemm for this CPU
+        raise RagblendError(f"the native {dtype} row attention cannot run here: {exc}") from exc
+    atol, rtol = _ROWS_TOLERANCE[dtype]
+    if not torch.allclose(got, ref.transpose(1, 2).reshape(1, 70, -1), atol=atol, rtol=rtol):
+        raise RagblendError(f"the native {dtype} row attention does not match SDPA's")
 
 
 def _check_decode(attend: DecodeKernel) -> None:

@@ -1,6 +1,7 @@
 // Attention of selected query rows over a causal prefix, each row reading exactly its keys.
 //
-// CPU, bfloat16, AMX via ATen's brgemm micro-kernel. Query rows are taken in position order in
+// CPU, bfloat16, through ATen's brgemm micro-kernel (oneDNN's: AMX tiles, or AVX512-BF16 dot
+// products on a CPU without AMX). Query rows are taken in position order in
 // tiles of kTileRows; the query heads that share a KV head are stacked into one tile (GQA
 // without K/V copies), and a tile reads keys only up to its last row's position. Inside the
 // tile each row's softmax stops at its own position (flash-attention style online softmax), so
@@ -262,13 +263,10 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
-bool supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
-
 }  // namespace
 
 TORCH_LIBRARY(ragblend_native, m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
-  m.def("supported() -> bool", &supported);
 }
 
 TORCH_LIBRARY_IMPL(ragblend_native, CPU, m) { m.impl("attend_rows", &attend_rows); }
