@@ -134,9 +134,11 @@ def decode_tokens(
         return
     total = len(prefill.prompt_ids) + max_new_tokens
     decoder = decoder_for(model, layers, prefill, total, kernels)
+    kept = 0
     for _ in decode_steps(state, prefill.logits, decoder.step):
         stats.finish_reason = state.finish_reason or "length"
-        if len(state.token_ids) > stats.completion_tokens:
+        if len(state.token_ids) > kept:  # not the end-of-sequence token that ended it
+            kept += 1
             stats.completion_tokens += 1
             yield state.token_ids[-1]
 
@@ -194,9 +196,9 @@ def decode_step(
 class BlendStream:
     """Text deltas of one generation: iterate, ``async for``, or :meth:`collect`.
 
-    ``result`` is set once the stream is exhausted or closed. ``close()`` stops decoding early
-    (e.g. on a stop sequence); ``result`` then holds what was generated so far, with
-    ``finish_reason == "stop"``.
+    ``result`` is set once the stream is exhausted or closed. Stop strings (``stop=``) end it
+    inside the decode loop; ``close()`` stops decoding early otherwise, and ``result`` then
+    holds what was generated so far, with ``finish_reason == "stop"``.
     """
 
     def __init__(self, run: Callable[[BlendStream], Generator[str, None, None]]) -> None:
@@ -234,7 +236,7 @@ class Decoder:
         self,
         model,
         tokenizer,
-        eos_ids: set[int],
+        eos_ids: Collection[int],
         params: SamplingParams,
         max_new_tokens: int,
         layers: LayerwiseModel | None = None,
@@ -285,8 +287,7 @@ class Decoder:
                     pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
                     pre.stats.completion_tokens = len(state.token_ids)
                     pre.stats.finish_reason = state.finish_reason or "length"
-                    result = BlendResult(state.text, state.token_ids, pre.stats)
-                    stream.result = result
+                    stream.result = BlendResult(state.text, state.token_ids, pre.stats)
 
         return BlendStream(run)
 
