@@ -69,7 +69,7 @@ def int8_scheme_errors(engine: BlendEngine, cases, chunks: int = 4) -> dict:
     texts = [c for case in cases for c in case.chunks][:chunks]
     for text in texts:
         ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-        kv = engine._compute_kv(ids, [])
+        kv = engine.chunks.compute_kv(ids, [])
         for name, x in (("k", kv.k.float()), ("v", kv.v.float())):
             for scheme, dim in (("per_channel", -2), ("per_token", -1)):
                 q, scale = quantize_int8(x, dim)

@@ -45,7 +45,7 @@ def decode_rate(engine, prefill, tokens: int) -> float:
     from ragblend import SamplingParams
     from ragblend.generation import decode_tokens
 
-    engine._prepare_decode()
+    engine.prepare_decode()
     start = time.perf_counter()
     steps = decode_tokens(
         engine.model, prefill, SamplingParams(), tokens + 1, set(), engine.layers, engine.native

@@ -114,7 +114,7 @@ def measure(args: argparse.Namespace) -> dict:
         full_ms.append(statistics.median(full_runs))
         blend_ms.append(statistics.median(blend_runs))
         ratios.append(full_ms[-1] / blend_ms[-1])
-        engine._prepare_decode()
+        engine.prepare_decode()
         t0 = time.perf_counter()
         greedy, steps = SamplingParams(), args.decode_tokens + 1
         tokens = decode_tokens(model, blend, greedy, steps, set(), engine.layers, engine.native)

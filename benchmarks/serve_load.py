@@ -11,7 +11,10 @@ measures, with OpenAI-format chat requests whose user message holds ``--top-k`` 
 - ``streaming_clients``: ``--clients`` concurrent streaming requests: errors, whether every
   stream ended with ``data: [DONE]``, client-side TTFTs;
 - ``decode_throughput``: aggregate decode tokens/s of 4 concurrent requests vs one alone
-  (client-side, over the span in which every one of them is decoding);
+  (client-side, over the span in which every one of them is decoding), for the first of
+  ``--prompt-sizes``; ``decode_throughput_by_prompt``: the same for each prompt size (by
+  default ``6x512``, the chunks above, and ``6x150``: six passages of at most 150 tokens,
+  ≈0.9k-token prompts; ``6xall`` sends six whole passages, uncut), with the prompt's tokens;
 - ``ttft_under_load``: TTFT of a request arriving while 3 others decode vs a lone request's.
 
 Every request uses ``temperature=0`` and ``ignore_eos`` so each decodes exactly ``--max-tokens``.
@@ -66,16 +69,31 @@ def start_server(args: argparse.Namespace, store: str) -> tuple[subprocess.Popen
     raise SystemExit("ragblend serve did not become healthy in 600 s")
 
 
-def cases(args: argparse.Namespace) -> list[tuple[list[str], str]]:
-    """(chunks, question) of the first --questions cases, chunks cut as `ragblend bench` does."""
+def cases(args: argparse.Namespace, top_k: int, chunk_tokens: int) -> list[tuple[list[str], str]]:
+    """(chunks, question) of the first --questions cases: the first ``top_k`` passages, each
+    cut to ``chunk_tokens`` (0: whole) as `ragblend bench` does."""
     from transformers import AutoTokenizer
 
     from ragblend.bench.datasets import load_cases
     from ragblend.models.loading import model_dir
 
     tok = AutoTokenizer.from_pretrained(model_dir(args.model))
-    loaded = load_cases(args.dataset, tok, args.top_k, args.chunk_tokens, args.questions)
+    cut = chunk_tokens or 10**9
+    loaded = load_cases(args.dataset, tok, top_k, cut, args.questions)
     return [(list(c.chunks), c.question) for c in loaded]
+
+
+def prompt_sizes(text: str) -> list[tuple[str, int, int]]:
+    """``"6x512,6x150,6xall"`` → [(name, top_k, chunk_tokens (0: whole)), ...]."""
+    sizes = []
+    for spec in filter(None, (s.strip() for s in text.split(","))):
+        k, _, n = spec.partition("x")
+        if not k.isdigit() or not (n == "all" or n.isdigit()) or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"a prompt size is TOPKxTOKENS or TOPKxall: {spec}")
+        sizes.append((spec, int(k), 0 if n == "all" else int(n)))
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one prompt size")
+    return sizes
 
 
 def chat_body(model: str, chunks: list[str], question: str, args, **extra) -> dict:
@@ -117,19 +135,49 @@ async def stream_one(http: httpx.AsyncClient, body: dict) -> dict:
         "ttft_s": times[0] - t0 if times else None,
         "times": times,  # when each content delta arrived (about one per token)
         "tokens": usage.get("completion_tokens", 0),
+        "prompt_tokens": usage.get("prompt_tokens", 0),
         "done": done,
         "ragblend": info,
         "error": error,
     }
 
 
-async def measure(url: str, model: str, work: list[tuple[list[str], str]], args) -> dict:
+def rate(runs: list[dict]) -> float:
+    """Deltas per second while every run decodes: from the last run's first token to the first
+    run's last token (prefills of the others excluded)."""
+    lo = max(r["times"][0] for r in runs)
+    hi = min(r["times"][-1] for r in runs)
+    n = sum(sum(1 for t in r["times"] if lo < t <= hi) for r in runs)
+    return n / (hi - lo) if hi > lo else 0.0
+
+
+async def throughput(http: httpx.AsyncClient, body: dict, args) -> tuple[dict, list[dict]]:
+    """decode_throughput of ``body``: one request alone (``--repeats``) vs 4 at once; and the
+    lone runs."""
+    alone = [await stream_one(http, body) for _ in range(args.repeats)]
+    together = await asyncio.gather(*(stream_one(http, body) for _ in range(4)))
+    single = statistics.median(rate([r]) for r in alone)
+    four = rate(list(together))
+    return {
+        "single_tok_s": single,
+        "four_concurrent_tok_s": four,
+        "ratio": four / single if single else None,
+    }, alone
+
+
+async def warm(http: httpx.AsyncClient, work: list[tuple[list[str], str]]) -> dict:
+    t0 = time.perf_counter()
+    texts = list(dict.fromkeys(c for chunks, _ in work for c in chunks))
+    warmed = (await http.post("/v1/ragblend/chunks", json={"texts": texts})).json()
+    return {"chunks": len(texts), "seconds": time.perf_counter() - t0, **warmed}
+
+
+async def measure(url: str, model: str, works: dict[str, list], args) -> dict:
+    """Every measurement on the first prompt size; decode throughput on each."""
+    name, work = next(iter(works.items()))
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        t0 = time.perf_counter()
-        texts = list(dict.fromkeys(c for chunks, _ in work for c in chunks))
-        warmed = (await http.post("/v1/ragblend/chunks", json={"texts": texts})).json()
-        warm_s = time.perf_counter() - t0
+        warmup = await warm(http, work)
         body = chat_body(model, *work[0], args)
         await stream_one(http, body)  # one request before the clocks (first-use costs)
 
@@ -148,18 +196,8 @@ async def measure(url: str, model: str, work: list[tuple[list[str], str]], args)
         bodies = [chat_body(model, *work[i % len(work)], args) for i in range(args.clients)]
         many = await asyncio.gather(*(stream_one(http, b) for b in bodies))
 
-        alone = [await stream_one(http, body) for _ in range(args.repeats)]
-        together = await asyncio.gather(*(stream_one(http, body) for _ in range(4)))
-
-        def rate(runs: list[dict]) -> float:
-            """Deltas per second while every run decodes: from the last run's first token to
-            the first run's last token (prefills of the others excluded)."""
-            lo = max(r["times"][0] for r in runs)
-            hi = min(r["times"][-1] for r in runs)
-            n = sum(sum(1 for t in r["times"] if lo < t <= hi) for r in runs)
-            return n / (hi - lo) if hi > lo else 0.0
-
-        single_rate = statistics.median(rate([r]) for r in alone)
+        decode, alone = await throughput(http, body, args)
+        by_prompt = {name: {**decode, "prompt_tokens": alone[0]["prompt_tokens"]}}
         long = {**body, "max_tokens": 4 * args.max_tokens}
         busy = [asyncio.create_task(stream_one(http, long)) for _ in range(3)]
         while (await http.get("/health")).json()["running"] < 3:
@@ -168,8 +206,15 @@ async def measure(url: str, model: str, work: list[tuple[list[str], str]], args)
         loaded = await stream_one(http, body)
         await asyncio.gather(*busy)
         lone_ttft = statistics.median(r["ttft_s"] for r in alone)
+
+        for other, other_work in list(works.items())[1:]:
+            await warm(http, other_work)
+            other_body = chat_body(model, *other_work[0], args)
+            await stream_one(http, other_body)  # its prefix and chunks served once first
+            other_decode, other_alone = await throughput(http, other_body, args)
+            by_prompt[other] = {**other_decode, "prompt_tokens": other_alone[0]["prompt_tokens"]}
     return {
-        "warmup": {"chunks": len(texts), "seconds": warm_s, **warmed},
+        "warmup": warmup,
         "blend_vs_full": {
             "ttft_ms_blend_median": blend_ms,
             "ttft_ms_full_median": full_ms,
@@ -185,11 +230,8 @@ async def measure(url: str, model: str, work: list[tuple[list[str], str]], args)
             "all_done": all(r["done"] for r in many),
             "ttft_s": [r["ttft_s"] for r in many],
         },
-        "decode_throughput": {
-            "single_tok_s": single_rate,
-            "four_concurrent_tok_s": rate(list(together)),
-            "ratio": rate(list(together)) / single_rate if single_rate else None,
-        },
+        "decode_throughput": decode,
+        "decode_throughput_by_prompt": by_prompt,
         "ttft_under_load": {
             "lone_ttft_s": lone_ttft,
             "with_three_decoding_ttft_s": loaded["ttft_s"],
@@ -207,6 +249,14 @@ def main() -> None:
     parser.add_argument("--weights", default="auto", choices=("auto", "dequantize"))
     parser.add_argument("--dataset", type=Path, default=DATASET)
     parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument(
+        "--prompt-sizes",
+        type=prompt_sizes,
+        default=None,
+        help="comma-separated TOPKxTOKENS (TOKENS 'all': whole passages); decode throughput "
+        "is measured for each, everything else for the first (default: "
+        "{top-k}x{chunk-tokens},6x150)",
+    )
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -214,17 +264,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     args = parser.parse_args()
-    work = cases(args)
+    if args.prompt_sizes is None:
+        first = f"{args.top_k}x{args.chunk_tokens}"
+        args.prompt_sizes = prompt_sizes(first if first == "6x150" else f"{first},6x150")
+    works = {name: cases(args, k, n) for name, k, n in args.prompt_sizes}
     with tempfile.TemporaryDirectory(prefix="ragblend-serve-load-") as store:
         proc, url = (None, args.url) if args.url else start_server(args, store)
         try:
             model = args.served_model or httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-            results = asyncio.run(measure(url, model, work, args))
+            results = asyncio.run(measure(url, model, works, args))
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=60)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings["prompt_sizes"] = [name for name, _, _ in args.prompt_sizes]
     from ragblend.cpu import describe
 
     out = {"settings": {**settings, "server": model, **describe()}, **results}

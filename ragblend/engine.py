@@ -7,7 +7,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -25,11 +26,14 @@ from ragblend.generation import (
     BlendStats,
     BlendStream,
     Decoder,
+    HFDecoder,
     Prefill,
     SamplingParams,
     decode_tokens,
+    decoder_for,
     teacher_forced_logits,
 )
+from ragblend.layer_decode import LayerDecoder
 from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.hf_cache import dynamic_cache_of
@@ -423,7 +427,7 @@ class BlendEngine:
         decode = Decoder(
             self.model, self.tokenizer, self.eos_ids, params, max_new, self.layers, self.native
         )
-        return decode.stream(prefill, self._lock, started, self._prepare_decode)
+        return decode.stream(prefill, self._lock, started, self.prepare_decode)
 
     def generate(
         self,
@@ -439,7 +443,7 @@ class BlendEngine:
 
         ``sampling``: :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``,
         ``top_p``, ``top_k``, ``seed``, ``repetition_penalty``, ``presence_penalty``,
-        ``frequency_penalty``).
+        ``frequency_penalty``, ``stop``, ``ignore_eos``).
         """
         return self.stream(
             question, chunks, mode=mode, ratio=ratio, prompt_format=prompt_format, **sampling
@@ -453,12 +457,30 @@ class BlendEngine:
         """Ordinary chat completion (full prefill), for requests that carry no chunks."""
         return self.stream_prompt(self.chat_ids(messages), **sampling).collect()
 
-    def _prepare_decode(self) -> None:
-        """Before decoding: decode-step linears on prepacked weights where the copy fits
-        (``config.packed_decode``; once per model). Not at start-up: engines that only
-        precompute (warmup jobs, Ray actors) never pay its time or the weights' second copy."""
+    def prepare_decode(self) -> None:
+        """Call before decoding outside :meth:`generate` / :meth:`stream` (which call it):
+        decode-step linears on prepacked weights where the copy fits (``config.packed_decode``;
+        once per model). Not at start-up: engines that only precompute (warmup jobs, Ray
+        actors) never pay its time or the weights' second copy."""
         if self.config.packed_decode:
             pack_decode_linears(self.model)
+
+    def _prepare_decode(self) -> None:
+        # Deprecated alias: main's benchmarks/decode_vs_llamacpp.py calls it (until it moves).
+        warnings.warn(
+            "BlendEngine._prepare_decode() is deprecated; use prepare_decode()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.prepare_decode()
+
+    def decoder(self, prefill: Prefill, max_new_tokens: int) -> LayerDecoder | HFDecoder:
+        """A decoder after ``prefill`` with room for ``max_new_tokens`` (its ``step(token)``
+        gives the next logits; a :class:`LayerDecoder` also batches with others through
+        ``ragblend.layer_decode.decode_batch``). ``prefill`` is left as it is. Call
+        :meth:`prepare_decode` once first."""
+        total = len(prefill.prompt_ids) + max_new_tokens
+        return decoder_for(self.model, self.layers, prefill, total, self.native)
 
     @property
     def decode_path(self) -> str:
@@ -476,25 +498,12 @@ class BlendEngine:
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy answer ids after ``prefill`` (EOS excluded; ``prefill`` is left as it was)."""
         pre = dataclasses.replace(prefill, stats=copy.copy(prefill.stats))
-        self._prepare_decode()
+        self.prepare_decode()
         greedy = SamplingParams()
         ids = decode_tokens(
             self.model, pre, greedy, max_new_tokens, self.eos_ids, self.layers, self.native
         )
         return list(ids)
-
-    def _decode(self, prefill: Prefill, max_new_tokens: int, *_ignored) -> Iterator[int]:
-        # Kept for callers outside the engine's modules (greedy only).
-        self._prepare_decode()
-        return decode_tokens(
-            self.model,
-            prefill,
-            SamplingParams(),
-            max_new_tokens,
-            self.eos_ids,
-            self.layers,
-            self.native,
-        )
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""

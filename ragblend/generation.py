@@ -1,11 +1,12 @@
-"""Generation after a prefill: sampling parameters, next-token choice, the decode loop, streams.
+"""Generation after a prefill: decoders, the decode loop's drivers, streams.
 
-In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams` and one
-next-token choice (``Sampler``; both live in ``ragblend.sampling``, shared with the server's
-scheduler), and :func:`decode_tokens`, which decodes into preallocated K/V (a
+In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams` (in
+``ragblend.sampling``) and one decode loop's bookkeeping, :class:`ragblend.decoding.DecodeState`
+(EOS, ``max_tokens``, stop strings, ``ignore_eos``, incremental text), shared with the
+server's scheduler. Decoding runs into preallocated K/V (a
 :class:`~ragblend.layer_decode.LayerDecoder`, or HF's ``StaticCache`` where that does not
-apply) so each new token is written in place instead of concatenated onto every layer's K/V
-(``DynamicCache`` copies the whole context per token).
+apply, :func:`decoder_for`) so each new token is written in place instead of concatenated
+onto every layer's K/V (``DynamicCache`` copies the whole context per token).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from ragblend.bridge import aiter_in_thread
+from ragblend.decoding import DecodeState, decode_steps
 from ragblend.layer_decode import LayerDecoder
 from ragblend.sampling import Sampler as Sampler
 from ragblend.sampling import SamplingParams as SamplingParams
@@ -115,35 +117,69 @@ def decode_tokens(
     prefill: Prefill,
     params: SamplingParams,
     max_new_tokens: int,
-    eos_ids: set[int],
+    eos_ids: Collection[int],
     layers: LayerwiseModel | None = None,
     kernels: NativeKernels | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids after ``prefill`` (EOS excluded); updates ``prefill.stats``.
 
-    ``prefill.cache`` is not modified: decoding runs in its own preallocated cache — given the
-    model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token, on
-    ``kernels`` where given); otherwise, or where that does not apply, HF's forward over
-    :func:`decode_cache`.
+    The ids-only form of the decode loop (:mod:`ragblend.decoding`, no text).
+    ``prefill.cache`` is not modified: decoding runs in a cache of its own
+    (:func:`decoder_for`).
     """
     stats = prefill.stats
     stats.finish_reason = "length"
-    if max_new_tokens <= 0:
+    state = DecodeState(params, eos_ids, max_new_tokens, prompt_ids=prefill.prompt_ids)
+    if state.done:
         return
-    sample = Sampler(params, prefill.prompt_ids)
     total = len(prefill.prompt_ids) + max_new_tokens
-    advance = decode_step(model, layers, prefill, total, kernels)
-    logits = prefill.logits
-    for step in range(max_new_tokens):
-        token = sample(logits)
-        if token in eos_ids:
-            stats.finish_reason = "stop"
-            return
-        stats.completion_tokens += 1
-        yield token
-        if step + 1 == max_new_tokens:
-            return
-        logits = advance(token)
+    decoder = decoder_for(model, layers, prefill, total, kernels)
+    kept = 0
+    for _ in decode_steps(state, prefill.logits, decoder.step):
+        stats.finish_reason = state.finish_reason or "length"
+        if len(state.token_ids) > kept:  # not the end-of-sequence token that ended it
+            kept += 1
+            stats.completion_tokens += 1
+            yield state.token_ids[-1]
+
+
+class HFDecoder:
+    """Decoding through HF's forward over :func:`decode_cache`, where no
+    :class:`LayerDecoder` applies; the same ``step`` as one."""
+
+    def __init__(self, model: PreTrainedModel, prefill: Prefill, total_len: int) -> None:
+        self.model = model
+        self.device = prefill.logits.device if prefill.logits.is_cuda else model.device
+        self.cache = decode_cache(model, prefill.cache, total_len)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed ``token``; fp32 logits [vocab] of the next one."""
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([[token]], device=self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        return out.logits[0, -1].float()
+
+
+def decoder_for(
+    model: PreTrainedModel,
+    layers: LayerwiseModel | None,
+    prefill: Prefill,
+    total_len: int,
+    kernels: NativeKernels | None = None,
+) -> LayerDecoder | HFDecoder:
+    """A decoder after ``prefill`` with room for ``total_len`` tokens, in a cache of its own:
+    given the model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token, on
+    ``kernels`` where given, batchable: ``decode_batch``); otherwise, or where that does not
+    apply, an :class:`HFDecoder`."""
+    if layers is not None:
+        n = len(prefill.prompt_ids)
+        lean = LayerDecoder.for_cache(layers, prefill.cache, n, total_len, kernels)
+        if lean is not None:
+            return lean
+    return HFDecoder(model, prefill, total_len)
 
 
 def decode_step(
@@ -153,33 +189,16 @@ def decode_step(
     total_len: int,
     kernels: NativeKernels | None = None,
 ) -> Callable[[int], torch.Tensor]:
-    """token → fp32 logits [vocab] of the next one, in a cache of its own for ``total_len``."""
-    if layers is not None:
-        n = len(prefill.prompt_ids)
-        lean = LayerDecoder.for_cache(layers, prefill.cache, n, total_len, kernels)
-        if lean is not None:
-            return lean.step
-    device = prefill.logits.device if prefill.logits.is_cuda else model.device
-    cache = decode_cache(model, prefill.cache, total_len)
-
-    def hf_step(token: int) -> torch.Tensor:
-        with torch.inference_mode():
-            out = model(
-                input_ids=torch.tensor([[token]], device=device),
-                past_key_values=cache,
-                use_cache=True,
-            )
-        return out.logits[0, -1].float()
-
-    return hf_step
+    """token → fp32 logits [vocab] of the next one (:func:`decoder_for`'s ``step``)."""
+    return decoder_for(model, layers, prefill, total_len, kernels).step
 
 
 class BlendStream:
     """Text deltas of one generation: iterate, ``async for``, or :meth:`collect`.
 
-    ``result`` is set once the stream is exhausted or closed. ``close()`` stops decoding early
-    (e.g. on a stop sequence); ``result`` then holds what was generated so far, with
-    ``finish_reason == "stop"``.
+    ``result`` is set once the stream is exhausted or closed. Stop strings (``stop=``) end it
+    inside the decode loop; ``close()`` stops decoding early otherwise, and ``result`` then
+    holds what was generated so far, with ``finish_reason == "stop"``.
     """
 
     def __init__(self, run: Callable[[BlendStream], Generator[str, None, None]]) -> None:
@@ -210,22 +229,6 @@ class BlendStream:
         self._deltas.close()
 
 
-def text_deltas(tokenizer, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
-    """Decode ``tokens`` incrementally into text deltas; appends each id to ``out``."""
-    text = ""
-    for token in tokens:
-        out.append(token)
-        new_text = tokenizer.decode(out, skip_special_tokens=True)
-        if new_text.endswith("\ufffd"):
-            continue  # incomplete multi-byte character
-        if len(new_text) > len(text):
-            yield new_text[len(text) :]
-            text = new_text
-    final = tokenizer.decode(out, skip_special_tokens=True)
-    if len(final) > len(text):
-        yield final[len(text) :]
-
-
 class Decoder:
     """Turns a prefill into a :class:`BlendStream` of text (one request's decoding setup)."""
 
@@ -233,7 +236,7 @@ class Decoder:
         self,
         model,
         tokenizer,
-        eos_ids: set[int],
+        eos_ids: Collection[int],
         params: SamplingParams,
         max_new_tokens: int,
         layers: LayerwiseModel | None = None,
@@ -267,25 +270,24 @@ class Decoder:
                 if before_decode is not None:
                     before_decode()
                 t0 = time.perf_counter()
-                tokens: list[int] = []
+                state = DecodeState(
+                    self.params, self.eos_ids, self.max_new_tokens, self.tokenizer, pre.prompt_ids
+                )
                 try:
-                    ids = decode_tokens(
-                        self.model,
-                        pre,
-                        self.params,
-                        self.max_new_tokens,
-                        self.eos_ids,
-                        self.layers,
-                        self.kernels,
-                    )
-                    yield from text_deltas(self.tokenizer, ids, tokens)
+                    if not state.done:
+                        total = len(pre.prompt_ids) + self.max_new_tokens
+                        decoder = decoder_for(self.model, self.layers, pre, total, self.kernels)
+                        for delta in decode_steps(state, pre.logits, decoder.step):
+                            if delta:
+                                yield delta
                 except GeneratorExit:  # the consumer stopped early (e.g. a stop sequence)
-                    pre.stats.finish_reason = "stop"
+                    state.finish("stop")
                     raise
                 finally:
                     pre.stats.decode_ms = (time.perf_counter() - t0) * 1000
-                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                    stream.result = BlendResult(text=text, token_ids=tokens, stats=pre.stats)
+                    pre.stats.completion_tokens = len(state.token_ids)
+                    pre.stats.finish_reason = state.finish_reason or "length"
+                    stream.result = BlendResult(state.text, state.token_ids, pre.stats)
 
         return BlendStream(run)
 

@@ -1,5 +1,6 @@
-"""Next-token choice, shared by every decode path (``generation.decode_tokens`` and the
-server's scheduler): sampling parameters, penalties, temperature / top-k / top-p, logprobs.
+"""Next-token choice, shared by every decode path (through ``ragblend.decoding``: generate,
+stream and the server's scheduler): sampling parameters, penalties, temperature / top-k /
+top-p, logprobs.
 
 Penalties follow vLLM's definitions, applied to the raw logits before temperature:
 
@@ -25,8 +26,11 @@ from ragblend.errors import RagblendError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. ``temperature == 0`` is greedy; ``max_new_tokens=None`` means
-    the engine's ``config.max_new_tokens``; ``top_k`` 0 (or -1, as vLLM) keeps every token."""
+    """How tokens are chosen and when decoding ends. ``temperature == 0`` is greedy;
+    ``max_new_tokens=None`` means the engine's ``config.max_new_tokens``; ``top_k`` 0 (or -1,
+    as vLLM) keeps every token. ``stop``: strings that end the answer (not included in it;
+    a single string is one stop); ``ignore_eos``: decode past end-of-sequence tokens (vLLM's),
+    so the answer ends at ``max_new_tokens`` or a stop string."""
 
     max_new_tokens: int | None = None
     temperature: float = 0.0
@@ -36,8 +40,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) for s in stop):
+            raise RagblendError(f"stop must be strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(s for s in stop if s))
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise RagblendError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:

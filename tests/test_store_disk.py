@@ -119,7 +119,7 @@ def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, to
 
 
 def greedy(engine, prefill, n: int) -> list[int]:
-    return list(engine._decode(prefill, n, 0.0, 1.0, 0, None))
+    return engine.greedy_answer(prefill, n)
 
 
 # ---------------------------------------------------------------------- LRU

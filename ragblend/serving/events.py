@@ -14,14 +14,13 @@ from ragblend.sampling import SamplingParams, TokenLogprobs
 
 @dataclass
 class GenerationJob:
-    """A tokenised request: a chunked prompt (any mode) or plain ids (full prefill)."""
+    """A tokenised request: a chunked prompt (any mode) or plain ids (full prefill);
+    ``params`` holds how it is sampled and when it ends (stop strings, ``ignore_eos``)."""
 
     prompt: TokenizedPrompt | list[int]
     mode: str
     params: SamplingParams
     max_tokens: int
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
     fallback_reason: str | None = None  # ragblend.fallback's code: why plain ids run in full
     logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely
     request_id: str = ""

@@ -145,6 +145,9 @@ class JobBuilder:
         max_tokens = budget or self.default_max_tokens
         if window:
             max_tokens = min(max_tokens, window - n)
+        stop = req.stop_list()
+        if len(stop) > 4:
+            raise RequestError("at most 4 stop sequences", param="stop")
         try:
             params = SamplingParams(
                 max_new_tokens=max_tokens,
@@ -155,19 +158,16 @@ class JobBuilder:
                 repetition_penalty=req.repetition_penalty or 1.0,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
+                stop=tuple(stop),
+                ignore_eos=req.ignore_eos,
             )
         except RagblendError as exc:
             raise RequestError(str(exc)) from None
-        stop = req.stop_list()
-        if len(stop) > 4:
-            raise RequestError("at most 4 stop sequences", param="stop")
         return GenerationJob(
             prompt=prompt,
             mode=mode,
             params=params,
             max_tokens=max_tokens,
-            stop=stop,
-            ignore_eos=req.ignore_eos,
             fallback_reason=fallback,
             logprobs=req.logprobs_wanted(),
         )

@@ -30,16 +30,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ragblend.decoding import DecodeState
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
 from ragblend.fallback import fall_back
-from ragblend.generation import BlendStats, Prefill, decode_step
+from ragblend.generation import BlendStats, HFDecoder, Prefill
 from ragblend.layer_decode import LayerDecoder, decode_batch
-from ragblend.sampling import Sampler
 from ragblend.serving.events import Failed, GenerationJob, QueueFull, RequestHandle, Unavailable
 from ragblend.serving.jobs import NO_CHUNK
 from ragblend.serving.metrics import ServerMetrics
-from ragblend.serving.output import TextOutput
 from ragblend.serving.running import RunningRequest
 
 log = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ class Scheduler:
             self._shut_down()
 
     def _steps(self) -> None:
-        self.engine._prepare_decode()
+        self.engine.prepare_decode()
         while True:
             with self._cond:
                 while not (self._stopping or self._waiting or self._running or self._calls):
@@ -228,20 +227,15 @@ class Scheduler:
     def _admit(self, handle: RequestHandle, job: GenerationJob) -> None:
         try:
             pre = self._prefill(job)
-            sampler = Sampler(job.params, job.prompt_ids)
-            first = sampler(pre.logits)
+            engine = self.engine
+            eos, tokenizer = engine.eos_ids, engine.tokenizer
+            state = DecodeState(job.params, eos, job.max_tokens, tokenizer, job.prompt_ids)
+            first = state.sample(pre.logits)
             stats = pre.stats
             stats.ttft_ms = (time.perf_counter() - job.arrived) * 1000
-            output = TextOutput(self.engine.tokenizer, job.stop)
-            eos = self.engine.eos_ids
-            r = RunningRequest(handle, job, stats, output, sampler, eos, self.metrics)
+            r = RunningRequest(handle, job, stats, state, self.metrics)
             if job.max_tokens > 1:
-                total = len(job.prompt_ids) + job.max_tokens
-                layers = self.engine.layers
-                n, kernels = len(pre.prompt_ids), self.engine.native
-                r.decoder = LayerDecoder.for_cache(layers, pre.cache, n, total, kernels)
-                if r.decoder is None:
-                    r.advance = decode_step(self.engine.model, None, pre, total)
+                r.decoder = engine.decoder(pre, job.max_tokens)
         except RagblendError as exc:
             handle.post(Failed(str(exc), 400))
             return
@@ -255,20 +249,19 @@ class Scheduler:
         r.accept(first, pre.logits)
 
     def _step(self) -> None:
-        batch = [r for r in self._running if r.decoder is not None]
-        solo = [r for r in self._running if r.decoder is None and r.advance is not None]
+        batch = [r for r in self._running if isinstance(r.decoder, LayerDecoder)]
+        solo = [r for r in self._running if isinstance(r.decoder, HFDecoder)]
         t0 = time.perf_counter()
         self.largest_batch = max(self.largest_batch, len(batch))
         try:
             if batch:
-                logits = decode_batch(
-                    [r.decoder for r in batch if r.decoder], [r.token for r in batch]
-                )
+                decoders = [r.decoder for r in batch if isinstance(r.decoder, LayerDecoder)]
+                logits = decode_batch(decoders, [r.token for r in batch])
                 for r, row in zip(batch, logits):
                     r.choose(row)
             for r in solo:
-                if r.advance is not None:
-                    r.choose(r.advance(r.token))
+                if r.decoder is not None:
+                    r.choose(r.decoder.step(r.token))
         except Exception as exc:
             log.exception("decode step failed")
             for r in batch + solo:
