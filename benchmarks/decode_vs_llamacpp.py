@@ -39,7 +39,7 @@ def measure(gguf: Path, dataset: Path, rounds: int, tokens: int) -> dict:
     prompt = engine.tokenize(case.question, case.chunks)
     ids = [int(i) for i in prompt.ids]
     prefill = engine.prefill(prompt, "full")
-    engine._prepare_decode()
+    engine.prepare_decode()
     llm = peer.LlamaCppPeer(
         gguf,
         len(ids) + (rounds + 1) * tokens + 16,

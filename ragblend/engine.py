@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -464,15 +463,6 @@ class BlendEngine:
         actors) never pay its time or the weights' second copy."""
         if self.config.packed_decode:
             pack_decode_linears(self.model)
-
-    def _prepare_decode(self) -> None:
-        # Deprecated alias: main's benchmarks/decode_vs_llamacpp.py calls it (until it moves).
-        warnings.warn(
-            "BlendEngine._prepare_decode() is deprecated; use prepare_decode()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        self.prepare_decode()
 
     def decoder(self, prefill: Prefill, max_new_tokens: int) -> LayerDecoder | HFDecoder:
         """A decoder after ``prefill`` with room for ``max_new_tokens`` (its ``step(token)``

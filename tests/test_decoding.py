@@ -191,8 +191,3 @@ def test_streamed_text_of_sampled_generations_equals_the_decoded_ids(tiny_engine
         assert result is not None and len(result.token_ids) == result.stats.completion_tokens
         assert streamed == result.text
         assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
-
-
-def test_the_private_prepare_decode_is_a_deprecated_alias(tiny_engine):
-    with pytest.warns(DeprecationWarning, match="prepare_decode"):
-        tiny_engine._prepare_decode()
