@@ -8,7 +8,9 @@ into the fusor's segments plus the indices of the chunks that missed. The texts 
 chunks are recorded with the store (``ragblend.store.chunk_texts``), so every engine on that
 store can match them in prompts. With a neighbour context (``"neighbours"``/``"previous"``) a
 chunk is prefilled after the canonical head and its neighbours (``ragblend.neighbours``), and
-only its own rows are kept; its key is the chunk's, tagged with the context's name.
+only its own rows are kept; its key is the canonical one (the neighbours are not in it), so
+any engine looking the chunk up under ``"canonical"`` finds it — a store holds one cache per
+chunk, whichever context computed it first.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class ChunkCache:
         kind = self.config.precompute_context
         if kind == "prefix":
             return list(head)
-        if kind == "canonical" or kind in NEIGHBOUR_CONTEXTS:  # template-independent
+        # template-independent; a neighbour context's neighbours are not part of the key
+        if kind == "canonical" or kind in NEIGHBOUR_CONTEXTS:
             return self.head(CANONICAL_FORMAT)
         if kind == "bos":
             return head[:1]
@@ -94,20 +97,8 @@ class ChunkCache:
             return list(head) + self._filler_ids
         return []
 
-    @property
-    def context_tag(self) -> str:
-        """The neighbour context's name in chunk keys ("" for the other contexts): a chunk
-        precomputed after neighbours is keyed by its content, apart from its isolated cache."""
-        kind = self.config.precompute_context
-        if kind == "neighbours":
-            return f"neighbours:{self.config.precompute_neighbours}"
-        return kind if kind in NEIGHBOUR_CONTEXTS else ""
-
-    def key(
-        self, *, context_ids: Sequence[int], chunk_ids: Sequence[int], tag: str | None = None
-    ) -> str:
-        """The store key of ``chunk_ids`` precomputed after ``context_ids`` (``tag``: the
-        context's tag, default this config's ``context_tag``)."""
+    def key(self, *, context_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+        """The store key of ``chunk_ids`` precomputed after ``context_ids``."""
         return chunk_key(
             fingerprint=self.fingerprint,
             dtype=self.layers.dtype,
@@ -115,11 +106,10 @@ class ChunkCache:
             namespace=self.config.namespace,
             context_ids=context_ids,
             chunk_ids=chunk_ids,
-            context_tag=self.context_tag if tag is None else tag,
         )
 
     def prefix_key(self, head: Sequence[int]) -> str:
-        return self.key(context_ids=[], chunk_ids=head, tag="")
+        return self.key(context_ids=[], chunk_ids=head)
 
     # ------------------------------------------------------------------ neighbours
     @property
@@ -150,7 +140,7 @@ class ChunkCache:
     @property
     def text_scope(self) -> str:
         """What chunk texts are grouped by in the store: model, dtypes and namespace."""
-        return self.key(context_ids=[], chunk_ids=[], tag="")
+        return self.key(context_ids=[], chunk_ids=[])
 
     @property
     def texts(self) -> ChunkTexts:

@@ -61,8 +61,9 @@ class BlendConfig:
         ``"filler"``, ``"bos"`` or ``"none"``; ``"neighbours"`` (the canonical head, then the
         chunk's ``precompute_neighbours`` most similar chunks known to the engine's neighbour
         source, most similar last, each followed by the canonical separator; their rows are
-        dropped) or ``"previous"`` (the same with the chunk before it in its document). The
-        key stays the chunk's content (plus the context's name): lookups are unchanged.
+        dropped) or ``"previous"`` (the same with the chunk before it in its document). Their
+        key is ``"canonical"``'s (the chunk's content): lookups, the matcher and the server are
+        unchanged, and a chunk already stored is not recomputed.
     precompute_neighbours: how many neighbours ``"neighbours"`` puts before a chunk (>= 1).
     packed_decode: on CPU, decode steps' linears run on oneDNN weights prepacked once
         (``ragblend.models.packed``): bf16 one-row inputs (identical outputs; CPUs at the

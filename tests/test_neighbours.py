@@ -12,6 +12,7 @@ from helpers import assert_matches_hf, engine_for, hf_forward
 from ragblend import BlendConfig
 from ragblend.errors import RagblendError
 from ragblend.neighbours import DocumentOrder, NeighbourIndex
+from ragblend.store.memory import MemoryStore
 
 # 3 chunks on 2 axes: CHUNKS[0] and [1] are near each other, [2] far from both
 VECTORS = [[1.0, 0.1], [0.9, 0.2], [0.0, 1.0]]
@@ -85,8 +86,10 @@ def test_bad_input_is_one_clear_error():
 def test_neighbour_cache_differs_from_the_isolated_one_and_keeps_only_the_chunks_rows(tokenizer):
     isolated = engine_for(tiny_model("llama"), tokenizer)
     isolated.precompute(CHUNKS)
-    engine = isolated.with_config(precompute_context="neighbours", neighbours=_index())
-    assert engine.precompute(CHUNKS) == len(CHUNKS)  # other keys: stored anew
+    engine = isolated.with_config(
+        precompute_context="neighbours", neighbours=_index(), store=MemoryStore()
+    )
+    assert engine.precompute(CHUNKS) == len(CHUNKS)
     for chunk in CHUNKS:
         n_tokens = len(engine.tokenize(QUESTION, [chunk]).chunks[0])
         mine, alone = _stored(engine, chunk), _stored(isolated, chunk)
@@ -105,6 +108,11 @@ def test_neighbour_cache_is_found_by_content_when_a_query_retrieves_the_chunk(to
     out = engine.prefill(engine.tokenize(QUESTION, [CHUNKS[2], CHUNKS[0]]), "blend")
     assert (out.stats.chunk_hits, out.stats.chunk_misses) == (2, 0)
     assert engine.is_cached(CHUNKS[1])
+    # the key is the chunk's content: an engine on the default context (a server) hits it
+    server = engine.with_config(precompute_context="canonical")
+    assert server.precompute(CHUNKS) == 0
+    out = server.prefill(server.tokenize(QUESTION, CHUNKS[:2]), "reuse")
+    assert (out.stats.chunk_hits, out.stats.chunk_misses) == (2, 0)
 
 
 def test_explicit_neighbours_win_over_the_source_and_change_the_cache(tokenizer):
@@ -112,10 +120,10 @@ def test_explicit_neighbours_win_over_the_source_and_change_the_cache(tokenizer)
     engine.neighbours = DocumentOrder()  # knows nothing: CHUNKS[2] computed as isolated
     engine.precompute(CHUNKS[2:])
     plain = _stored(engine, CHUNKS[2])
-    canonical = engine.with_config(precompute_context="canonical")
+    canonical = engine.with_config(precompute_context="canonical", store=MemoryStore())
     canonical.precompute(CHUNKS[2:])
     torch.testing.assert_close(plain.layer(2)[1], _stored(canonical, CHUNKS[2]).layer(2)[1])
-    other = engine.with_config(store=type(engine.store)())
+    other = engine.with_config(store=MemoryStore())
     other.precompute(CHUNKS[2:], neighbours={CHUNKS[2]: [CHUNKS[0]]})
     assert not torch.allclose(_stored(other, CHUNKS[2]).layer(2)[1], plain.layer(2)[1])
 
@@ -128,7 +136,7 @@ def test_a_missing_neighbour_is_not_an_error_the_chunk_is_computed_alone(tokeniz
     engine = engine_for(tiny_model("llama"), tokenizer, precompute_context="neighbours")
     engine.neighbours = Forgetful()
     assert engine.precompute(CHUNKS[:1]) == 1
-    unknown = engine.with_config(store=type(engine.store)(), neighbours=NeighbourIndex())
+    unknown = engine.with_config(store=MemoryStore(), neighbours=NeighbourIndex())
     assert unknown.precompute(CHUNKS[:1]) == 1
     torch.testing.assert_close(
         _stored(engine, CHUNKS[0]).layer(2)[1], _stored(unknown, CHUNKS[0]).layer(2)[1]

@@ -58,21 +58,17 @@ def chunk_key(
     context_ids: Sequence[int],
     chunk_ids: Sequence[int],
     namespace: str | None = None,
-    context_tag: str = "",
 ) -> str:
     """Key of one chunk's KV: model, compute and storage dtypes, tenant namespace, the
     precompute context and the chunk's token ids.
 
     Independent of where the chunk appears in a prompt, so a permuted retrieval still hits.
     Keyword-only so that callers cannot swap the context and the chunk. The namespace salts
-    every key: tenants never share (or probe) each other's entries. ``context_tag`` names a
-    context that is not in ``context_ids`` (neighbour contexts); "" leaves the key as before.
+    every key: tenants never share (or probe) each other's entries.
     """
     h = hashlib.sha256()
     h.update(f"ragblend-kv-v{KEY_VERSION}|{fingerprint}|{dtype}|{kv_dtype}|".encode())
     h.update(f"ns={namespace or ''}|".encode())
-    if context_tag:
-        h.update(f"ctx={context_tag}|".encode())
     h.update(_ids_bytes(context_ids))
     h.update(b"|")
     h.update(_ids_bytes(chunk_ids))
