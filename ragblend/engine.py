@@ -268,6 +268,19 @@ class BlendEngine:
     def neighbours(self, source: NeighbourSource | None) -> None:
         self.chunks.neighbours = source
 
+    def add_embeddings(
+        self, texts: Sequence[str], embeddings: Sequence[Sequence[float]] | torch.Tensor
+    ) -> None:
+        """Make ``texts`` known as neighbours, by their embedding vectors (what the caller's
+        vector store computed), in this engine's namespace: adds them to :attr:`neighbours`,
+        a ``NeighbourIndex`` created here when it is not one."""
+        from ragblend.neighbours import NeighbourIndex
+
+        index = self.neighbours
+        if not isinstance(index, NeighbourIndex):
+            index = self.neighbours = NeighbourIndex()
+        index.add(texts, embeddings, self.config.namespace)
+
     def neighbour_ids(self, chunk: str) -> list[int]:
         """Ids prefilled before ``chunk`` under this config's precompute context (its
         neighbours, each followed by the separator; ``[]`` outside neighbour contexts)."""

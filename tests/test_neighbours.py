@@ -203,3 +203,45 @@ def test_bench_precompute_context_neighbours_changes_what_is_precomputed(
     assert stored is not None  # the bench stored it under the chunk's (content) key
     assert stored.num_tokens == alone.num_tokens == len(neighbour.tokenize("q", [chunk]).chunks[0])
     assert not torch.allclose(stored.layer(10)[1].float(), alone.layer(10)[1].float(), atol=1e-3)
+
+
+def test_warmup_pool_precomputes_a_text_after_the_neighbours_its_engine_knows(tokenizer):
+    from ragblend.warmup import WarmupQueue
+
+    engine = engine_for(tiny_model("llama"), tokenizer, precompute_context="neighbours")
+    engine.add_embeddings(CHUNKS, VECTORS)  # what an integration does at ingestion
+    queue = WarmupQueue(engine, workers=1)
+    queue.submit(CHUNKS[:1], block=True)
+    queue.join()
+    queue.close()
+    explicit = engine.with_config(store=MemoryStore())
+    explicit.precompute(CHUNKS[:1], neighbours={CHUNKS[0]: [CHUNKS[2], CHUNKS[1]]})
+    torch.testing.assert_close(
+        _stored(engine, CHUNKS[0]).layer(2)[1], _stored(explicit, CHUNKS[0]).layer(2)[1]
+    )
+
+
+def test_warmup_command_uses_the_chroma_collections_embeddings(tmp_path, tokenizer):
+    chromadb = pytest.importorskip("chromadb")
+    from ragblend import BlendEngine
+    from ragblend.cli import main
+    from ragblend.store import DiskStore
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"))
+    col = client.create_collection("docs", embedding_function=None)
+    col.add(ids=["a", "b", "c"], documents=CHUNKS, embeddings=[[*v, 0.0] for v in VECTORS])
+    args = ["warmup", "--chroma-path", str(tmp_path / "chroma"), "--collection", "docs"]
+    args += ["--model", str(model_dir), "--no-progress", "--dtype", "float32"]
+    for kind in ("canonical", "neighbours"):
+        store = str(tmp_path / kind)
+        assert main([*args, "--store-path", store, "--precompute-context", kind]) == 0
+    stores = {k: DiskStore(tmp_path / k) for k in ("canonical", "neighbours")}
+    engine = BlendEngine.from_pretrained(str(model_dir), dtype="float32")
+    alone, mine = (_stored(engine.with_config(store=stores[k]), CHUNKS[1]) for k in stores)
+    assert mine.num_tokens == alone.num_tokens
+    assert not torch.allclose(mine.layer(2)[1], alone.layer(2)[1])
+    with pytest.raises(SystemExit):  # not a context of the command
+        main([*args, "--store-path", str(tmp_path / "x"), "--precompute-context", "bos"])
