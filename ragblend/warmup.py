@@ -59,15 +59,13 @@ class _Precomputing:
         """
         try:
             ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
-            # a text's neighbours are those its engine knows when the item starts
-            neighbour_ids = self.engine.neighbour_ids(item) if isinstance(item, str) else []
+            args: list = [ids, head, self._between_layers()]
+            if isinstance(item, str):  # its neighbours: those its engine knows by now
+                neighbour_ids = self.engine.neighbour_ids(item)
+                if neighbour_ids:
+                    args.append(neighbour_ids)
             stored = call_in_fresh_thread(
-                self.engine.precompute_ids,
-                ids,
-                head,
-                self._between_layers(),
-                neighbour_ids,
-                name="ragblend-warmup-compute",
+                self.engine.precompute_ids, *args, name="ragblend-warmup-compute"
             )
             if isinstance(item, str):  # known to every engine on the store from now on
                 self.engine.chunks.record_texts([(item, ids)], head)
