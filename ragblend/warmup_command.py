@@ -53,10 +53,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--precompute-context",
         choices=("canonical", "neighbours", "previous"),
-        default="canonical",
-        help="neighbours: each chunk after its most similar chunks of the source (the Chroma "
-        "collection's embeddings; a dataset's passages embedded with MiniLM); previous: after "
-        "the passage before it in its case (--dataset)",
+        default=None,
+        help="neighbours (default; canonical with --ray): each chunk after its most similar "
+        "chunks of the source (the Chroma collection's embeddings; a dataset's passages "
+        "embedded with MiniLM); previous: after the passage before it in its case (--dataset); "
+        "canonical: alone",
     )
     p.add_argument(
         "--precompute-neighbours", type=int, default=2, help="neighbours per chunk (neighbours)"
@@ -132,7 +133,7 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragblend.config import BlendConfig
+    from ragblend.config import NEIGHBOUR_CONTEXTS, BlendConfig
     from ragblend.engine import BlendEngine
 
     if bool(args.dataset) == bool(args.chroma_path):
@@ -144,13 +145,17 @@ def run(args: argparse.Namespace) -> int:
     config = {"device": args.device, "dtype": args.dtype}
     if args.namespace:
         config["namespace"] = args.namespace
-    if args.precompute_context != "canonical":
+    # Ray actors get no neighbour source: by default they precompute chunks alone
+    kind = args.precompute_context or (
+        "canonical" if args.ray else BlendConfig().precompute_context
+    )
+    if kind in NEIGHBOUR_CONTEXTS:
         if args.ray:
             raise RagblendError("--precompute-context neighbours/previous runs without --ray")
-        if args.precompute_context == "previous" and not args.dataset:
+        if kind == "previous" and not args.dataset:
             raise RagblendError("--precompute-context previous needs --dataset (document order)")
-        config["precompute_context"] = args.precompute_context
-        config["precompute_neighbours"] = args.precompute_neighbours
+    config["precompute_context"] = kind
+    config["precompute_neighbours"] = args.precompute_neighbours
     if args.ray:  # the driver only needs the tokenizer; actors load the model
         from transformers import AutoTokenizer
 
@@ -160,19 +165,19 @@ def run(args: argparse.Namespace) -> int:
         return _run_ray(args, _chunks(args, tokenizer), config)
     store = open_store(StoreFlags.of(args), require_redis=True, block_when_full=True)
     engine = BlendEngine.from_pretrained(args.model, config=BlendConfig(**config), store=store)
-    if args.precompute_context != "canonical":
-        engine.neighbours = _neighbours(args, engine)
+    if kind in NEIGHBOUR_CONTEXTS:
+        engine = _with_neighbours(args, engine)
     return _run_local(args, engine, store, _chunks(args, engine.tokenizer))
 
 
-def _neighbours(args: argparse.Namespace, engine):
-    """The neighbour source of the run: the dataset's passages, or the Chroma collection's
-    documents with their stored embeddings (cut as the warmed chunks are)."""
+def _with_neighbours(args: argparse.Namespace, engine):
+    """The engine with the run's neighbour source: the dataset's passages, or the Chroma
+    collection's documents with their stored embeddings (cut as the warmed chunks are)."""
     if args.dataset:
-        from ragblend.bench.neighbours import dataset_neighbours
+        from ragblend.bench.neighbours import with_dataset_neighbours
 
-        kind, tok, ns = args.precompute_context, engine.tokenizer, engine.config.namespace
-        return dataset_neighbours(kind, args.dataset, tok, args.chunk_tokens or 512, ns)
+        explicit = args.precompute_context is not None
+        return with_dataset_neighbours(engine, args.dataset, args.chunk_tokens or 512, explicit)
     from ragblend.bench.datasets import cut_to_tokens
     from ragblend.neighbours import NeighbourIndex
 
@@ -185,7 +190,7 @@ def _neighbours(args: argparse.Namespace, engine):
     index = NeighbourIndex()
     if texts:
         index.add(texts, vectors, engine.config.namespace)
-    return index
+    return engine.with_config(neighbours=index)
 
 
 def _chunks(args: argparse.Namespace, tok) -> list[str]:

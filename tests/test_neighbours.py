@@ -197,7 +197,7 @@ def test_bench_precompute_context_neighbours_changes_what_is_precomputed(
     neighbour = embedded_engine.with_config(
         precompute_context="neighbours", store=open_store(StoreFlags(store_path=str(store_path)))
     )
-    canonical = embedded_engine.with_config(store=MemoryStore())
+    canonical = embedded_engine.with_config(precompute_context="canonical", store=MemoryStore())
     canonical.precompute([chunk])
     stored, alone = _stored(neighbour, chunk), _stored(canonical, chunk)
     assert stored is not None  # the bench stored it under the chunk's (content) key
@@ -245,3 +245,31 @@ def test_warmup_command_uses_the_chroma_collections_embeddings(tmp_path, tokeniz
     assert not torch.allclose(mine.layer(2)[1], alone.layer(2)[1])
     with pytest.raises(SystemExit):  # not a context of the command
         main([*args, "--store-path", str(tmp_path / "x"), "--precompute-context", "bos"])
+
+
+def test_default_context_without_minilm_precomputes_alone_and_says_so(
+    tmp_path, tokenizer, monkeypatch, caplog, capsys
+):
+    from ragblend import embeddings
+    from ragblend.cli import main
+
+    def missing(*args, **kwargs):
+        raise embeddings.EmbeddingsUnavailable("no sentence-transformers here")
+
+    monkeypatch.setattr(embeddings, "embed", missing)
+    assert BlendConfig().precompute_context == "neighbours"
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    cases = [{"question": QUESTION, "answers": ["Oxford"], "ctxs": [{"text": c} for c in CHUNKS]}]
+    dataset = tmp_path / "cases.json"
+    dataset.write_text(json.dumps(cases))
+    args = ["bench", "--dataset", str(dataset), "--model", str(model_dir), "--top-k", "2"]
+    args += ["--modes", "full,reuse", "--repeats", "1", "--max-new-tokens", "1"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    settings = json.loads((tmp_path / "a" / "results.json").read_text())["settings"]
+    assert settings["precompute_context"] == "canonical"
+    assert "precomputed alone" in caplog.text
+    asked = [*args, "--out", str(tmp_path / "b"), "--precompute-context", "neighbours"]
+    assert main(asked) == 2  # asked for: one clear error
+    assert "no sentence-transformers here" in capsys.readouterr().err

@@ -150,15 +150,11 @@ def run(args: argparse.Namespace) -> int:
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
     if config.precompute_context in NEIGHBOUR_CONTEXTS:
-        from ragblend.bench.neighbours import dataset_neighbours
+        from ragblend.bench.neighbours import with_dataset_neighbours
 
-        engine.neighbours = dataset_neighbours(
-            config.precompute_context,
-            args.dataset,
-            engine.tokenizer,
-            args.chunk_tokens,
-            config.namespace,
-        )
+        explicit = args.precompute_context is not None
+        engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit)
+        config = engine.config
     variants = [Variant(m, m) for m in modes]
     results = run_benchmark(engine, cases, variants, args.repeats, args.max_new_tokens, before)
     if peer:
