@@ -129,7 +129,7 @@ class ChunkCache:
         if given is None:
             source = self.neighbours
             n = self.config.precompute_neighbours
-            given = source.neighbours(text, n, self.config.namespace) if source else []
+            given = [] if source is None else source.neighbours(text, n, self.config.namespace)
         ids: list[int] = []
         for neighbour in given:
             if neighbour and neighbour != text:

@@ -151,7 +151,7 @@ class BlendEngine:
             self.store if store is None else store,
             self.fingerprint,
         )
-        view.chunks.neighbours = neighbours or self.chunks.neighbours
+        view.chunks.neighbours = self.chunks.neighbours if neighbours is None else neighbours
         if store is not None or controller is not None:
             view.controller = controller
         return view

@@ -273,3 +273,13 @@ def test_default_context_without_minilm_precomputes_alone_and_says_so(
     asked = [*args, "--out", str(tmp_path / "b"), "--precompute-context", "neighbours"]
     assert main(asked) == 2  # asked for: one clear error
     assert "no sentence-transformers here" in capsys.readouterr().err
+
+
+def test_a_view_given_an_empty_index_uses_it_not_its_parents(tokenizer):
+    engine = engine_for(tiny_model("llama"), tokenizer)
+    engine.add_embeddings(CHUNKS, VECTORS)
+    own = NeighbourIndex()
+    view = engine.with_config(neighbours=own)
+    assert view.neighbours is own and engine.neighbours is not own
+    assert view.neighbour_ids(CHUNKS[0]) == [] and engine.neighbour_ids(CHUNKS[0])
+    assert engine.with_config().neighbours is engine.neighbours  # inherited by default

