@@ -6,21 +6,26 @@ namespace, context ids and chunk ids. A prompt head (template + system prompt) i
 exactly, as full prefill computes it. :meth:`ChunkCache.lookup` turns a tokenised prompt
 into the fusor's segments plus the indices of the chunks that missed. The texts of precomputed
 chunks are recorded with the store (``ragblend.store.chunk_texts``), so every engine on that
-store can match them in prompts.
+store can match them in prompts. With a neighbour context (``"neighbours"``/``"previous"``) a
+chunk is prefilled after the canonical head and its neighbours (``ragblend.neighbours``), and
+only its own rows are kept; its key is the canonical one (the neighbours are not in it), so
+any engine looking the chunk up under ``"canonical"`` finds it — a store holds one cache per
+chunk, whichever context computed it first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ragblend.config import BlendConfig
+from ragblend.config import NEIGHBOUR_CONTEXTS, BlendConfig
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fusion.fusor import Segment, fuse
 from ragblend.fusion.layer_loader import LayerLoader
 from ragblend.fusion.trace import PreRopeCapture
 from ragblend.models.adapters import LayerwiseModel
+from ragblend.neighbours import NeighbourSource
 from ragblend.prompt import (
     CANONICAL_FORMAT,
     FILLER_PASSAGE,
@@ -56,6 +61,9 @@ class ChunkCache:
         self._filler_ids: list[int] | None = None
         self._texts: ChunkTexts | None = None
         self._texts_store: KVStore | None = None
+        self._separator_ids: list[int] | None = None
+        # where a neighbour context finds a chunk's neighbours (BlendEngine.neighbours)
+        self.neighbours: NeighbourSource | None = None
 
     # ------------------------------------------------------------------ contexts and keys
     @property
@@ -78,7 +86,8 @@ class ChunkCache:
         kind = self.config.precompute_context
         if kind == "prefix":
             return list(head)
-        if kind == "canonical":  # independent of the user's template and system prompt
+        # template-independent; a neighbour context's neighbours are not part of the key
+        if kind == "canonical" or kind in NEIGHBOUR_CONTEXTS:
             return self.head(CANONICAL_FORMAT)
         if kind == "bos":
             return head[:1]
@@ -101,6 +110,31 @@ class ChunkCache:
 
     def prefix_key(self, head: Sequence[int]) -> str:
         return self.key(context_ids=[], chunk_ids=head)
+
+    # ------------------------------------------------------------------ neighbours
+    @property
+    def separator_ids(self) -> list[int]:
+        """The canonical separator, put after each neighbour as between prompt chunks."""
+        if self._separator_ids is None:
+            prompt = tokenize_prompt(self.tokenizer, CANONICAL_FORMAT, ["x", "y"], "")
+            self._separator_ids = list(prompt.separator)
+        return self._separator_ids
+
+    def neighbour_ids(self, text: str, given: Sequence[str] | None = None) -> list[int]:
+        """Token ids put between the context and chunk ``text``: its neighbours (``given``,
+        else from ``self.neighbours``), each followed by the separator; ``[]`` when the
+        context is not a neighbour context or no neighbour is known."""
+        if self.config.precompute_context not in NEIGHBOUR_CONTEXTS:
+            return []
+        if given is None:
+            source = self.neighbours
+            n = self.config.precompute_neighbours
+            given = [] if source is None else source.neighbours(text, n, self.config.namespace)
+        ids: list[int] = []
+        for neighbour in given:
+            if neighbour and neighbour != text:
+                ids += encode(self.tokenizer, neighbour) + self.separator_ids
+        return ids
 
     # ------------------------------------------------------------------ chunk texts
     @property
@@ -147,23 +181,33 @@ class ChunkCache:
         ids: list[int],
         context_ids: list[int],
         between_layers: Callable[[], None] | None = None,
+        neighbour_ids: Sequence[int] = (),
     ) -> ChunkKV:
-        """Prefill ``ids`` after ``context_ids`` (served from the exact prefix cache); the KV
-        of ``ids`` only: pre-RoPE K and V, [layers, kv_heads, len(ids), head_dim].
+        """Prefill ``ids`` after ``context_ids`` (served from the exact prefix cache) and
+        ``neighbour_ids`` (computed, then dropped); the KV of ``ids`` only: pre-RoPE K and V,
+        [layers, kv_heads, len(ids), head_dim].
 
         ``between_layers`` is called before each layer (background warmup blocks there while a
         query runs, so a chunk already started yields the cores within one layer)."""
-        context_len = len(context_ids)
+        window = self.layers.context_window
+        if window and len(context_ids) + len(neighbour_ids) + len(ids) > window:
+            # the neighbours' tail (next to the chunk) is what matters most: keep it
+            room = max(0, window - len(context_ids) - len(ids))
+            neighbour_ids = list(neighbour_ids)[len(neighbour_ids) - room :] if room else []
+        context_len = len(context_ids) + len(neighbour_ids)
         segments = []
         if context_ids:
             segments.append(self.prefix_segment(context_ids))
+        if neighbour_ids:
+            segments.append(Segment("neighbours", list(neighbour_ids)))
         segments.append(Segment("chunk", list(ids)))
         capture = PreRopeCapture()
         layers: Iterable = self.loader(segments)
         if between_layers is not None:
             layers = _calling_before_each(layers, between_layers)
         out = fuse(self.layers, segments, layers, None, trace=capture)
-        k = torch.stack([k[0] for k in capture.keys]).contiguous()
+        # the capture holds every computed row (neighbours, then the chunk)
+        k = torch.stack([k[0, :, k.shape[2] - len(ids) :] for k in capture.keys]).contiguous()
         v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
         meta = {
             "fingerprint": self.fingerprint,
@@ -194,22 +238,32 @@ class ChunkCache:
         chunk_ids: Sequence[int],
         head: list[int],
         between_layers: Callable[[], None] | None = None,
+        neighbour_ids: Sequence[int] = (),
     ) -> bool:
         """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
-        ``between_layers``: see ``compute_kv``."""
+        ``between_layers`` and ``neighbour_ids``: see ``compute_kv``."""
         context_ids = self.context_ids(head)
         key = self.key(context_ids=context_ids, chunk_ids=chunk_ids)
         if key in self.store:
             return False
+        args = (list(chunk_ids), context_ids, between_layers, neighbour_ids)
         try:
-            kv = self.compute_kv(list(chunk_ids), context_ids, between_layers)
+            kv = self.compute_kv(*args)
         except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
-            kv = self.compute_kv(list(chunk_ids), context_ids, between_layers)
+            kv = self.compute_kv(*args)
         self.store.put(key, pack(kv, self.kv_dtype))
         return True
 
-    def precompute(self, texts: Iterable[str], head: list[int]) -> int:
-        """Precompute each chunk text; returns how many were newly stored."""
+    def precompute(
+        self,
+        texts: Iterable[str],
+        head: list[int],
+        neighbours: Mapping[str, Sequence[str]] | None = None,
+    ) -> int:
+        """Precompute each chunk text; returns how many were newly stored. ``neighbours``:
+        the texts to precompute a chunk after (neighbour contexts only), by chunk text; a
+        chunk not in it asks ``self.neighbours``."""
+        neighbours = neighbours or {}
         stored = 0
         window = self.layers.context_window
         for text in texts:
@@ -222,7 +276,8 @@ class ChunkCache:
                     f"chunk with its precompute context has {n} tokens, more than the model's "
                     f"context window of {window}"
                 )
-            stored += self.precompute_ids(ids, head)
+            nb = self.neighbour_ids(text, neighbours.get(text))
+            stored += self.precompute_ids(ids, head, neighbour_ids=nb)
             self.record_texts([(text, ids)], head)
         return stored
 

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ragblend.controller import LoadingController
+    from ragblend.neighbours import NeighbourSource
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,16 @@ class BlendEngine:
         return cls(model, tokenizer, config, store, prompt_format, name=name)
 
     def with_config(
-        self, *, store: KVStore | None = None, controller=None, **overrides
+        self,
+        *,
+        store: KVStore | None = None,
+        controller=None,
+        neighbours: NeighbourSource | None = None,
+        **overrides,
     ) -> BlendEngine:
-        """A view of this engine (same model, lock and, unless given, store and controller)
-        with some config fields changed. ``selector`` may also be a TokenSelector object."""
+        """A view of this engine (same model, lock and, unless given, store, controller and
+        neighbour source) with some config fields changed. ``selector`` may also be a
+        TokenSelector object."""
         selector = overrides.get("selector")
         if selector is not None and not isinstance(selector, str):
             overrides["selector"] = getattr(selector, "name", type(selector).__name__)
@@ -147,6 +154,7 @@ class BlendEngine:
             self.store if store is None else store,
             self.fingerprint,
         )
+        view.chunks.neighbours = self.chunks.neighbours if neighbours is None else neighbours
         if store is not None or controller is not None:
             view.controller = controller
         return view
@@ -224,26 +232,62 @@ class BlendEngine:
         chunks: Sequence[str],
         prompt_format: PromptFormat | None = None,
         progress: bool = False,
+        neighbours: Mapping[str, Sequence[str]] | None = None,
     ) -> int:
-        """Precompute and store the KV of each chunk; returns how many were newly stored."""
+        """Precompute and store the KV of each chunk; returns how many were newly stored.
+
+        With ``precompute_context="neighbours"`` or ``"previous"``, each chunk is prefilled
+        after its neighbours: ``neighbours[chunk]`` (texts) where given, else those of
+        :attr:`neighbours`; a chunk with none is computed as with ``"canonical"``."""
         texts: Sequence[str] = chunks
         if progress:
             from tqdm.auto import tqdm
 
             texts = tqdm(chunks, desc="precompute KV", unit="chunk")
-        return self.chunks.precompute(texts, self.prompt_head(prompt_format))
+        return self.chunks.precompute(texts, self.prompt_head(prompt_format), neighbours)
 
     def precompute_ids(
         self,
         chunk_ids: Sequence[int],
         head: list[int],
         between_layers: Callable[[], None] | None = None,
+        neighbour_ids: Sequence[int] = (),
     ) -> bool:
         """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
 
         ``between_layers`` is called before each layer's compute (background warmup waits
-        there while a query runs)."""
-        return self.chunks.precompute_ids(chunk_ids, head, between_layers)
+        there while a query runs); ``neighbour_ids`` (see :meth:`neighbour_ids`) are
+        prefilled between the context and the chunk, then dropped."""
+        return self.chunks.precompute_ids(chunk_ids, head, between_layers, neighbour_ids)
+
+    @property
+    def neighbours(self) -> NeighbourSource | None:
+        """Where neighbour contexts find a chunk's neighbours (a ``NeighbourIndex`` fed with
+        the caller's embeddings, a ``DocumentOrder``); shared with :meth:`with_config` views
+        made after it is set. ``None``: chunks without given neighbours are computed alone."""
+        return self.chunks.neighbours
+
+    @neighbours.setter
+    def neighbours(self, source: NeighbourSource | None) -> None:
+        self.chunks.neighbours = source
+
+    def add_embeddings(
+        self, texts: Sequence[str], embeddings: Sequence[Sequence[float]] | torch.Tensor
+    ) -> None:
+        """Make ``texts`` known as neighbours, by their embedding vectors (what the caller's
+        vector store computed), in this engine's namespace: adds them to :attr:`neighbours`,
+        a ``NeighbourIndex`` created here when it is not one."""
+        from ragblend.neighbours import NeighbourIndex
+
+        index = self.neighbours
+        if not isinstance(index, NeighbourIndex):
+            index = self.neighbours = NeighbourIndex()
+        index.add(texts, embeddings, self.config.namespace)
+
+    def neighbour_ids(self, chunk: str) -> list[int]:
+        """Ids prefilled before ``chunk`` under this config's precompute context (its
+        neighbours, each followed by the separator; ``[]`` outside neighbour contexts)."""
+        return self.chunks.neighbour_ids(chunk)
 
     def is_cached(self, chunk: str, prompt_format: PromptFormat | None = None) -> bool:
         return self.chunks.is_cached(chunk, self.prompt_head(prompt_format))

@@ -59,12 +59,13 @@ class _Precomputing:
         """
         try:
             ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
+            args: list = [ids, head, self._between_layers()]
+            if isinstance(item, str):  # its neighbours: those its engine knows by now
+                neighbour_ids = self.engine.neighbour_ids(item)
+                if neighbour_ids:
+                    args.append(neighbour_ids)
             stored = call_in_fresh_thread(
-                self.engine.precompute_ids,
-                ids,
-                head,
-                self._between_layers(),
-                name="ragblend-warmup-compute",
+                self.engine.precompute_ids, *args, name="ragblend-warmup-compute"
             )
             if isinstance(item, str):  # known to every engine on the store from now on
                 self.engine.chunks.record_texts([(item, ids)], head)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from ragblend.errors import RagblendError
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
@@ -49,6 +50,18 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--precompute-context",
+        choices=("canonical", "neighbours", "previous"),
+        default=None,
+        help="neighbours (default; canonical with --ray): each chunk after its most similar "
+        "chunks of the source (the Chroma collection's embeddings; a dataset's passages "
+        "embedded with MiniLM); previous: after the passage before it in its case (--dataset); "
+        "canonical: alone",
+    )
+    p.add_argument(
+        "--precompute-neighbours", type=int, default=2, help="neighbours per chunk (neighbours)"
+    )
     add_store_arguments(
         p,
         redis_help="write into the shared Redis/Valkey tier (redis://, rediss:// or unix:// URL)",
@@ -80,8 +93,11 @@ def dataset_chunks(
     return list(dict.fromkeys(c for case in cases for c in case.chunks))
 
 
-def chroma_documents(path: str | Path, collection: str, batch: int = 256) -> Iterator[str]:
-    """Documents of a Chroma collection, read with ``get`` (no embedding function is built)."""
+def chroma_documents(
+    path: str | Path, collection: str, batch: int = 256, embeddings: bool = False
+) -> Iterator:
+    """Documents of a Chroma collection, read with ``get`` (no embedding function is built);
+    ``embeddings``: (document, its stored embedding) pairs."""
     try:
         import chromadb
     except ImportError:
@@ -95,11 +111,16 @@ def chroma_documents(path: str | Path, collection: str, batch: int = 256) -> Ite
         raise RagblendError(f"cannot open Chroma collection {collection!r}: {exc}") from None
     offset = 0
     while True:
-        got = col.get(include=["documents"], limit=batch, offset=offset)
+        include: Any = ["documents", "embeddings"] if embeddings else ["documents"]
+        got = col.get(include=include, limit=batch, offset=offset)
         docs = got.get("documents") or []
         if not docs:
             return
-        yield from (d for d in docs if d and d.strip())
+        if embeddings:
+            vectors: Any = got["embeddings"]
+            yield from ((d, list(e)) for d, e in zip(docs, vectors) if d and d.strip())
+        else:
+            yield from (d for d in docs if d and d.strip())
         offset += len(docs)
 
 
@@ -112,7 +133,7 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragblend.config import BlendConfig
+    from ragblend.config import NEIGHBOUR_CONTEXTS, BlendConfig
     from ragblend.engine import BlendEngine
 
     if bool(args.dataset) == bool(args.chroma_path):
@@ -124,6 +145,17 @@ def run(args: argparse.Namespace) -> int:
     config = {"device": args.device, "dtype": args.dtype}
     if args.namespace:
         config["namespace"] = args.namespace
+    # Ray actors get no neighbour source: by default they precompute chunks alone
+    kind = args.precompute_context or (
+        "canonical" if args.ray else BlendConfig().precompute_context
+    )
+    if kind in NEIGHBOUR_CONTEXTS:
+        if args.ray:
+            raise RagblendError("--precompute-context neighbours/previous runs without --ray")
+        if kind == "previous" and not args.dataset:
+            raise RagblendError("--precompute-context previous needs --dataset (document order)")
+    config["precompute_context"] = kind
+    config["precompute_neighbours"] = args.precompute_neighbours
     if args.ray:  # the driver only needs the tokenizer; actors load the model
         from transformers import AutoTokenizer
 
@@ -133,7 +165,32 @@ def run(args: argparse.Namespace) -> int:
         return _run_ray(args, _chunks(args, tokenizer), config)
     store = open_store(StoreFlags.of(args), require_redis=True, block_when_full=True)
     engine = BlendEngine.from_pretrained(args.model, config=BlendConfig(**config), store=store)
+    if kind in NEIGHBOUR_CONTEXTS:
+        engine = _with_neighbours(args, engine)
     return _run_local(args, engine, store, _chunks(args, engine.tokenizer))
+
+
+def _with_neighbours(args: argparse.Namespace, engine):
+    """The engine with the run's neighbour source: the dataset's passages, or the Chroma
+    collection's documents with their stored embeddings (cut as the warmed chunks are)."""
+    if args.dataset:
+        from ragblend.bench.neighbours import with_dataset_neighbours
+
+        explicit = args.precompute_context is not None
+        return with_dataset_neighbours(engine, args.dataset, args.chunk_tokens or 512, explicit)
+    from ragblend.bench.datasets import cut_to_tokens
+    from ragblend.neighbours import NeighbourIndex
+
+    texts, vectors = [], []
+    for text, vector in chroma_documents(args.chroma_path, args.collection, embeddings=True):
+        texts.append(
+            cut_to_tokens(engine.tokenizer, text, args.chunk_tokens) if args.chunk_tokens else text
+        )
+        vectors.append(vector)
+    index = NeighbourIndex()
+    if texts:
+        index.add(texts, vectors, engine.config.namespace)
+    return engine.with_config(neighbours=index)
 
 
 def _chunks(args: argparse.Namespace, tok) -> list[str]:

@@ -308,7 +308,8 @@ def test_kills_at_any_point_leave_only_complete_entries_and_warmup_resumes(
 def test_two_processes_warming_the_same_chunks_store_each_once(dataset, model_dir, tmp_path):
     path, n_chunks = dataset
     store_path = tmp_path / "kv"
-    args = warmup_args(path, model_dir, store_path)
+    # the reference below precomputes alone: so do the two processes (no neighbours)
+    args = [*warmup_args(path, model_dir, store_path), "--precompute-context", "canonical"]
     procs = [spawn("none", 0, args) for _ in range(2)]
     for proc in procs:
         out, err = proc.communicate(timeout=120)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ragblend import cpu
-from ragblend.config import KV_DTYPES, MODES, BlendConfig
+from ragblend.config import KV_DTYPES, MODES, NEIGHBOUR_CONTEXTS, PRECOMPUTE_CONTEXTS, BlendConfig
 from ragblend.fusion.native import ROW_ATTENTION
 from ragblend.models.gguf import WEIGHTS
 from ragblend.models.quantized import quantized_weights, weight_bytes
@@ -69,6 +69,20 @@ def add_parser(sub) -> None:
         help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})",
     )
     p.add_argument(
+        "--precompute-context",
+        choices=PRECOMPUTE_CONTEXTS,
+        default=None,
+        help="what chunks are precomputed after (default: engine default "
+        f"{defaults.precompute_context}); neighbours: their most similar passages of the "
+        "dataset file (MiniLM embeddings), previous: the passage before them in their case",
+    )
+    p.add_argument(
+        "--precompute-neighbours",
+        type=int,
+        default=None,
+        help=f"neighbours per chunk (default: engine default {defaults.precompute_neighbours})",
+    )
+    p.add_argument(
         "--model",
         default="embedded",
         help="'embedded', 'gemma', a .gguf file or a local HF model dir",
@@ -112,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["kv_dtype"] = args.kv_dtype
     if args.namespace:
         overrides["namespace"] = args.namespace
+    if args.precompute_context:
+        overrides["precompute_context"] = args.precompute_context
+    if args.precompute_neighbours is not None:
+        overrides["precompute_neighbours"] = args.precompute_neighbours
     config = BlendConfig(**overrides)
     store: KVStore | None = None
     before = None
@@ -131,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
         before = lambda variant: redis_store.flush()  # noqa: E731  (measure reads from Redis)
     engine = BlendEngine.from_pretrained(args.model, config=config, store=store)
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.limit)
+    if config.precompute_context in NEIGHBOUR_CONTEXTS:
+        from ragblend.bench.neighbours import with_dataset_neighbours
+
+        explicit = args.precompute_context is not None
+        engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit)
+        config = engine.config
     variants = [Variant(m, m) for m in modes]
     results = run_benchmark(engine, cases, variants, args.repeats, args.max_new_tokens, before)
     if peer:
@@ -159,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
         "deviation": config.deviation,
         "cached_temperature": config.cached_temperature,
         "precompute_context": config.precompute_context,
+        "precompute_neighbours": (
+            config.precompute_neighbours if config.precompute_context == "neighbours" else None
+        ),
         "tier": args.tier,
         "kv_dtype": engine.kv_dtype,
         "kv_bytes_per_token": kv_bytes_per_token(

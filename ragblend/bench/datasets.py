@@ -36,10 +36,7 @@ def cut_to_tokens(tokenizer, text: str, max_tokens: int) -> str:
     return text[: offsets[max_tokens - 1][1]]
 
 
-def load_cases(
-    path: str | Path, tokenizer, top_k: int = 6, chunk_tokens: int = 512, limit: int | None = None
-) -> list[Case]:
-    """Read a JSON list of ``{question, answers, ctxs: [{title, text}]}``; chunks = first top-k."""
+def _read(path: str | Path) -> list:
     path = Path(path)
     if not path.is_file():
         raise RagblendError(f"dataset {path} not found")
@@ -49,15 +46,38 @@ def load_cases(
         raise RagblendError(f"dataset {path} is not valid JSON: {exc}") from None
     if not isinstance(raw, list):
         raise RagblendError(f"dataset {path} must be a JSON list of cases")
+    return raw
+
+
+def _passages(item, tokenizer, chunk_tokens: int, top_k: int | None) -> list[str]:
+    chunks = []
+    for c in item["ctxs"][:top_k]:
+        text = (c.get("title") + "\n" if c.get("title") else "") + c["text"]
+        chunks.append(cut_to_tokens(tokenizer, text, chunk_tokens))
+    return chunks
+
+
+def load_cases(
+    path: str | Path, tokenizer, top_k: int = 6, chunk_tokens: int = 512, limit: int | None = None
+) -> list[Case]:
+    """Read a JSON list of ``{question, answers, ctxs: [{title, text}]}``; chunks = first top-k."""
+    raw = _read(path)
     cases = []
     for i, item in enumerate(raw[:limit] if limit else raw):
         try:
-            ctxs = item["ctxs"][:top_k]
-            chunks = []
-            for c in ctxs:
-                text = (c.get("title") + "\n" if c.get("title") else "") + c["text"]
-                chunks.append(cut_to_tokens(tokenizer, text, chunk_tokens))
+            chunks = _passages(item, tokenizer, chunk_tokens, top_k)
             cases.append(Case(str(item["question"]), list(item.get("answers", [])), chunks))
         except (KeyError, TypeError) as exc:
             raise RagblendError(f"case {i} of {path} is malformed: missing {exc}") from None
     return cases
+
+
+def dataset_passages(path: str | Path, tokenizer, chunk_tokens: int = 512) -> list[list[str]]:
+    """Every passage of every case (all ctxs, in order), cut as :func:`load_cases` cuts."""
+    documents = []
+    for i, item in enumerate(_read(path)):
+        try:
+            documents.append(_passages(item, tokenizer, chunk_tokens, None))
+        except (KeyError, TypeError) as exc:
+            raise RagblendError(f"case {i} of {path} is malformed: missing {exc}") from None
+    return documents

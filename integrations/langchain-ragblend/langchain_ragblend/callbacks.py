@@ -13,6 +13,7 @@ from langchain_core.outputs import LLMResult
 from langchain_core.vectorstores import VectorStore
 
 from langchain_ragblend.chat_models import ChatRagBlend
+from langchain_ragblend.chunks import document_text
 
 
 class KVWarmupCallbackHandler(BaseCallbackHandler):
@@ -82,7 +83,36 @@ def add_documents(
     llm: ChatRagBlend,
     **kwargs: Any,
 ) -> list[str]:
-    """``vectorstore.add_documents(documents)`` that also enqueues their KV precompute."""
+    """``vectorstore.add_documents(documents)`` that also enqueues their KV precompute.
+
+    With ``precompute_context="neighbours"`` the documents' embeddings (the store's own) make
+    them known to the engine as neighbours first."""
     ids = vectorstore.add_documents(list(documents), **kwargs)
+    if llm.engine.config.precompute_context == "neighbours":
+        add_embeddings(vectorstore, ids, documents, llm)
     llm.warm(documents)
     return ids
+
+
+def add_embeddings(
+    vectorstore: VectorStore, ids: Sequence[str], documents: Sequence[Document], llm: ChatRagBlend
+) -> None:
+    """Give ``llm``'s engine the documents' embeddings, under each layout's document text: the
+    vectors the store keeps (Chroma's ``get``), else its embedding function's."""
+    vectors: list | None = None
+    get = getattr(vectorstore, "get", None)
+    if callable(get) and ids:
+        try:
+            got = get(ids=list(ids), include=["embeddings"])
+            by_id = dict(zip(got["ids"], got["embeddings"], strict=True))
+            vectors = [list(by_id[i]) for i in ids]
+        except Exception:  # another store's get: embed again below
+            vectors = None
+    if vectors is None:
+        embedding = vectorstore.embeddings
+        if embedding is None:
+            return  # nothing to compare documents by: they are precomputed alone
+        vectors = embedding.embed_documents([d.page_content for d in documents])
+    for layout in llm.layouts:
+        texts = [document_text(doc, layout.document_prompt) for doc in documents]
+        llm.engine.add_embeddings(texts, vectors)

@@ -390,8 +390,25 @@ class BlendLLM(CustomLLM):
     ) -> int:
         """Enqueue nodes' LLM-mode texts (what the synthesizer will send) for precompute;
         ``escaped_forms`` also the forms ``simple_summarize`` sends (see :func:`node_texts`)."""
+        nodes = list(nodes)
+        if self._engine.config.precompute_context == "neighbours":
+            self._add_embeddings(nodes, escaped_forms)
         texts = node_texts(nodes, escaped_forms=escaped_forms)
         return self.warmup(texts, only_missing=only_missing)
+
+    def _add_embeddings(self, nodes: list[BaseNode | NodeWithScore], escaped_forms: bool) -> None:
+        """Nodes' embeddings (set when the embedding step ran before warmup) make each of their
+        prompt forms known to the engine as a neighbour (``precompute_context="neighbours"``)."""
+        texts: list[str] = []
+        vectors: list[list[float]] = []
+        for item in nodes:
+            node = item.node if isinstance(item, NodeWithScore) else item
+            if node.embedding is not None:
+                forms = node_texts([node], escaped_forms=escaped_forms)
+                texts += forms
+                vectors += [node.embedding] * len(forms)
+        if texts:
+            self._engine.add_embeddings(texts, vectors)
 
     def is_cached(self, text: str) -> bool:
         """Whether ``text``'s chunk KV is in the store, in this LLM's prompt context."""
