@@ -143,9 +143,9 @@ def test_kernels_that_fail_the_load_check_are_not_used(monkeypatch, caplog):
         return good.attend_rows(q, k, v, positions, scale) * 1.001
 
     with pytest.raises(RagblendError, match="row attention does not match"):
-        native._check_f32(off_by_a_little, good.rope_)
+        native._check_rows(off_by_a_little, good.rope_, F32)
     with pytest.raises(RagblendError, match="RoPE does not match"):
-        native._check_f32(good.attend_rows, lambda k, cos, sin: k.mul_(cos))
+        native._check_rows(good.attend_rows, lambda k, cos, sin: k.mul_(cos), F32)
 
     def failing_build(*_):
         raise RagblendError("the native fp32 RoPE does not match HF's bit for bit")

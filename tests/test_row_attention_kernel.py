@@ -260,3 +260,17 @@ def _unwindowed_layers_after(check_layer: int, engine, n: int) -> int:
         for layer in range(check_layer, layers.num_layers)
         if layers.sliding_window(layer) is None or layers.sliding_window(layer) >= n
     )
+
+
+@needs_bf16_level
+def test_bf16_kernels_are_checked_against_hf_rope_and_sdpa_on_load():
+    good = native.build_kernels(torch.bfloat16)
+
+    def off_by_a_fifth(q, k, v, positions, scale):
+        return good.attend_rows(q, k, v, positions, scale) * 1.2
+
+    native._check_rows(good.attend_rows, good.rope_, torch.bfloat16)  # the build itself passes
+    with pytest.raises(RagblendError, match="row attention does not match"):
+        native._check_rows(off_by_a_fifth, good.rope_, torch.bfloat16)
+    with pytest.raises(RagblendError, match="RoPE does not match"):
+        native._check_rows(good.attend_rows, lambda k, cos, sin: k.mul_(cos), torch.bfloat16)
