@@ -22,7 +22,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ragblend import BlendConfig, BlendEngine, SamplingParams
@@ -47,12 +46,6 @@ def measure(gguf: Path, dataset: Path, rounds: int, tokens: int) -> dict:
         threads=torch.get_num_threads(),
     )
     llm.ttft_ms(ids)
-    vocab = llm.llm.n_vocab()
-
-    def last_argmax() -> int:
-        return int(np.ctypeslib.as_array(llm.llm._ctx.get_logits_ith(-1), shape=(vocab,)).argmax())
-
-    token = last_argmax()
 
     def ours() -> float:
         start = time.perf_counter()
@@ -68,17 +61,10 @@ def measure(gguf: Path, dataset: Path, rounds: int, tokens: int) -> dict:
         count = sum(1 for _ in steps) - 1  # the first token comes from the prefill's logits
         return count / (time.perf_counter() - start)
 
-    def theirs() -> float:
-        nonlocal token
-        start = time.perf_counter()
-        for _ in range(tokens):
-            llm.llm.eval([token])
-            token = last_argmax()
-        return tokens / (time.perf_counter() - start)
-
     try:
-        ours(), theirs()  # warm-up: the first steps after a switch bring weights back to cache
-        runs = [{"ragblend": ours(), "llamacpp": theirs()} for _ in range(rounds)]
+        # warm-up: the first steps after a switch bring the weights back into the caches
+        ours(), llm.decode_on(tokens)
+        runs = [{"ragblend": ours(), "llamacpp": llm.decode_on(tokens)} for _ in range(rounds)]
     finally:
         llm.close()
     return {

@@ -95,32 +95,35 @@ class LlamaCppPeer:
         self.llm.reset()  # n_tokens = 0: eval() drops every cached position before decoding
         self.llm.eval(ids)
         self._prefilled = tuple(ids)
+        first = self._last_argmax()
+        return (time.perf_counter() - start) * 1000, first
+
+    def _last_argmax(self) -> int:
+        """The greedy token after what the context holds."""
         # without logits_all, llama-cpp-python keeps no scores: read the last row from the context
         import numpy as np
 
-        last = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
-        first = int(last.argmax())
-        return (time.perf_counter() - start) * 1000, first
+        vocab = self.llm.n_vocab()
+        return int(np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(vocab,)).argmax())
 
     def decode_tok_s(self, ids: Sequence[int], tokens: int) -> float:
         """Greedy decode rate after a full prefill of ``ids``: ``tokens`` single-token evals
         (each feeding the previous argmax), timed from the first to the last. The prefill is the
         one :meth:`ttft_ms` left when it was the last call, on the same ids."""
-        import numpy as np
-
         ids = [int(i) for i in ids]
         if self._prefilled != tuple(ids):
             self.ttft_ms(ids)
+        return self.decode_on(tokens)
+
+    def decode_on(self, tokens: int) -> float:
+        """Greedy decode rate of ``tokens`` single-token evals going on from whatever the
+        context holds (each feeding the previous argmax), timed from the first to the last."""
         self._prefilled = None  # the evals below extend the context
-        vocab = self.llm.n_vocab()
-        token = int(
-            np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(vocab,)).argmax()
-        )
+        token = self._last_argmax()
         start = time.perf_counter()
         for _ in range(tokens):
             self.llm.eval([token])
-            logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(vocab,))
-            token = int(logits.argmax())
+            token = self._last_argmax()
         return tokens / (time.perf_counter() - start)
 
     def close(self) -> None:
