@@ -263,6 +263,21 @@ def _response(
     }
 
 
+def _chunk(
+    kind: str,
+    rid: str,
+    model: str,
+    content: dict,
+    finish: str | None,
+    logprobs: dict | None,
+    extra: dict[str, Any],
+) -> dict:
+    """One streamed event of ``kind`` whose single choice carries ``content``."""
+    choice = {"index": 0, **content, "finish_reason": finish, "logprobs": logprobs}
+    body = {"id": rid, "object": kind, "created": now(), "model": model}
+    return {**body, "choices": [choice], **extra}
+
+
 def chat_chunk(
     rid: str,
     model: str,
@@ -271,9 +286,7 @@ def chat_chunk(
     logprobs: dict | None = None,
     **extra: Any,
 ) -> dict:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-    body = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
-    return {**body, "choices": [choice], **extra}
+    return _chunk("chat.completion.chunk", rid, model, {"delta": delta}, finish, logprobs, extra)
 
 
 def text_chunk(
@@ -284,9 +297,7 @@ def text_chunk(
     logprobs: dict | None = None,
     **extra: Any,
 ) -> dict:
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-    body = {"id": rid, "object": "text_completion", "created": now(), "model": model}
-    return {**body, "choices": [choice], **extra}
+    return _chunk("text_completion", rid, model, {"text": text}, finish, logprobs, extra)
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
