@@ -342,6 +342,29 @@ inline const uint8_t* prefetch(const uint8_t* p, const uint8_t* end) {
   return std::max(p, end);
 }
 
+// A task's weight rows [r0, r1) go by in tiles of kRowTile, each tile's blocks contiguous. Their
+// decoding is slow enough that the hardware prefetcher falls behind: while a tile runs, this
+// prefetches the tile after the next one, a group's bytes per step (and the next one too at
+// the task's start).
+class TilePrefetch {
+ public:
+  TilePrefetch(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1)
+      : w_(w), row_bytes_(row_bytes), r0_(r0), r1_(r1) {}
+
+  void start(int64_t t0, int64_t tile) {
+    next_ = w_ + std::min(r1_, t0 + kRowTile + tile) * row_bytes_;
+    end_ = w_ + std::min(r1_, t0 + 2 * kRowTile + tile) * row_bytes_;
+    if (t0 == r0_) prefetch(w_ + (t0 + tile) * row_bytes_, next_);
+  }
+  void step(int64_t bytes) { next_ = prefetch(next_, std::min(next_ + bytes, end_)); }
+
+ private:
+  const uint8_t* w_;
+  int64_t row_bytes_, r0_, r1_;
+  const uint8_t* next_ = nullptr;
+  const uint8_t* end_ = nullptr;
+};
+
 #ifdef RAGBLEND_QUANT_512
 // The AVX512 matmul dequantizes each 32 weights of a block in registers into the values
 // `dequantize` writes (gguf's, bit for bit) and multiplies them into two 16-lane accumulators
@@ -479,19 +502,17 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
   const float* mnp[kRowTile];
   for (int64_t r = 0; r < kRowTile; ++r) scp[r] = sc[r], mnp[r] = mn[r];
   const int64_t blocks = cols / T::kElems;
+  TilePrefetch ahead(w, row_bytes, r0, r1);
   for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
     const int64_t tile = std::min(kRowTile, r1 - t0);
     for (int64_t r = 0; r < tile; ++r)
       for (int64_t i = 0; i < n; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
-    // prefetch the tile after the next one while this one runs (see the AVX2 matmul_rows)
-    const uint8_t* next = w + std::min(r1, t0 + kRowTile + tile) * row_bytes;
-    const uint8_t* next_end = w + std::min(r1, t0 + 2 * kRowTile + tile) * row_bytes;
-    if (t0 == r0) prefetch(w + (t0 + tile) * row_bytes, next);
+    ahead.start(t0, tile);
     for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
       const int64_t nb = std::min(per_group, blocks - b0);
       for (int64_t r = 0; r < tile; ++r) {
         src[r] = w + (t0 + r) * row_bytes + b0 * T::kBytes;
-        next = prefetch(next, std::min(next + per_group * T::kBytes, next_end));
+        ahead.step(per_group * T::kBytes);
         for (int64_t b = 0; b < nb; ++b) T::scales(src[r] + b * T::kBytes, sc[r] + b * kSc,
                                                    mn[r] + b * kMn);
         for (int64_t k = 0; k < nb * kSc; ++k) sc[r][k] *= 16777216.0f;  // 2^24: exact
@@ -608,22 +629,17 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
   alignas(32) float sc[per_group * kSc], mn[per_group * kMn];
   alignas(64) Acc acc[kRowTile][kMaxRows];
   const int64_t blocks = cols / T::kElems;
+  TilePrefetch ahead(w, row_bytes, r0, r1);
   for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
     const int64_t tile = std::min(kRowTile, r1 - t0);
     for (int64_t r = 0; r < tile; ++r)
       for (int64_t i = 0; i < n; ++i) acc[r][i] = acc_zero();
-    // A tile's blocks are contiguous. Its decoding is slow enough that the hardware prefetcher
-    // falls behind: while it runs, prefetch the tile after the next one, a group's bytes per
-    // step (and the next one too at the task's start).
-    const uint8_t* next = w + std::min(r1, t0 + kRowTile + tile) * row_bytes;
-    const uint8_t* next_end = w + std::min(r1, t0 + 2 * kRowTile + tile) * row_bytes;
-    if (t0 == r0) prefetch(w + (t0 + tile) * row_bytes, next);
+    ahead.start(t0, tile);
     for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
       const int64_t nb = std::min(per_group, blocks - b0);
       for (int64_t r = 0; r < tile; ++r) {
         const uint8_t* src = w + (t0 + r) * row_bytes + b0 * T::kBytes;
-        const uint8_t* until = std::min(next + per_group * T::kBytes, next_end);
-        next = prefetch(next, until);
+        ahead.step(per_group * T::kBytes);
         for (int64_t b = 0; b < nb; ++b)
           T::scales(src + b * T::kBytes, sc + b * kSc, mn + b * kMn);
         for (int64_t i0 = 0; i0 < n; i0 += kChunk)
