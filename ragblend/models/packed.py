@@ -12,7 +12,15 @@ a small batch (what inductor's weight prepacking does) reads them up to 4× fast
 - **fp32**, inputs of up to 16 rows, weights reordered for a batch of 16: the same values as
   ``F.linear`` to fp32 rounding (another summation order), and each row's output the same
   whatever the number of rows beside it — so a request decoded in a batch gets what it gets
-  alone. Any CPU oneDNN runs on.
+  alone. oneDNN does not promise that: for some shapes (more than ~600 inputs on AVX512) its
+  kernel for 2+ rows sums in another order than for one. So every fp32 weight shape is probed
+  once when it is packed (random rows alone against the same rows together; fp32 outputs
+  show any change of order) and a decode batch is cut into groups of the most rows that gave
+  every row its one-row output — one row per call where none did.
+
+bf16 takes one row: its outputs are rounded to bf16, which hides a change of summation order
+in all but ~1 in 3000 values, so no affordable probe can show that a bf16 kernel keeps rows
+as they are alone.
 
 Linears that read the same input are fused — an attention's q/k/v, an MLP's gate/up — into
 one GEMM over their stacked weights (three calls fewer per layer and step). Everything else
@@ -56,6 +64,8 @@ class _Plan:
 
 _PLANS = {torch.bfloat16: _Plan(rows=1, hint=1), torch.float32: _Plan(rows=16, hint=16)}
 DECODE_ROWS = _PLANS[torch.float32].rows  # the most requests one fp32 decode step packs for
+# (out features, in features, dtype, bias) -> rows one call may take (see ``invariant_rows``)
+_probed: dict[tuple[int, int, torch.dtype, bool], int] = {}
 
 
 def available() -> bool:
@@ -205,15 +215,52 @@ def _prepacked(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``F.linear(x, weight, bias)`` for a decode step's ``x``, on ``weight`` reordered once
-    by oneDNN for the dtype's batch size."""
-    hint = _PLANS[weight.dtype].hint
+    by oneDNN for the dtype's batch size; rows in groups that keep each row's output as it is
+    alone (:func:`invariant_rows`)."""
+    plan = _PLANS[weight.dtype]
     with torch.no_grad():
-        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), hint)
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), plan.hint)
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
+    def call(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
 
+    shape = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+    group = _probed.get(shape, 1 if plan.rows == 1 else None)
+    if group is None:
+        group = _probed[shape] = invariant_rows(call, weight.shape[1], weight.dtype, plan.rows)
+        if group < plan.rows:
+            log.info(
+                "decode rows through a %d x %d %s linear go %d at a time: with more, oneDNN "
+                "sums in another order than for one row",
+                *weight.shape,
+                "bf16" if weight.dtype == torch.bfloat16 else "fp32",
+                group,
+            )
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        if rows <= group:
+            return call(x)
+        parts = [call(part) for part in x.reshape(rows, x.shape[-1]).split(group)]
+        return torch.cat(parts).reshape(*x.shape[:-1], -1)
+
     return linear
+
+
+def invariant_rows(
+    call: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype, limit: int
+) -> int:
+    """The most rows (<= ``limit``) ``call`` may take at once so that every row's output is
+    the one it gets alone: ``limit`` random rows through ``call`` one by one, then the first
+    2, 3, ... together, until a row differs."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(limit, in_features, generator=generator).to(dtype)
+    with torch.no_grad():
+        alone = torch.cat([call(x[i : i + 1]) for i in range(limit)])
+        for n in range(2, limit + 1):
+            if not torch.equal(call(x[:n]), alone[:n]):
+                return n - 1
+    return limit
 
 
 def _decode_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
