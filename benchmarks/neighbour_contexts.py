@@ -5,8 +5,10 @@ then ``ragblend.bench.harness.run_benchmark`` runs full prefill and every varian
 (answer KL, first-token KL, greedy agreement vs full). Contexts: ``canonical`` (each chunk
 alone after the canonical head: today's default), ``neighbours`` (after its n most similar
 passages of the whole dataset file by MiniLM cosine; never the question) and ``previous``
-(after the passage before it in its case). Writes ``OUT/NAME.json`` after every question and
-prints a markdown table (KL also relative to isolated reuse's).
+(after the passage before it in its case), each with ``--neighbour-rows`` (``reused``: the
+neighbours' stored or isolated KV; ``computed``: computed with the chunk). Writes
+``OUT/NAME.json`` after every question and prints a markdown table (KL also relative to
+isolated reuse's).
 
     OMP_NUM_THREADS=1 python benchmarks/neighbour_contexts.py \\
         --dataset ../shared/data/musique_dev.json --offset 20 --limit 20 \\
@@ -41,14 +43,17 @@ def contexts(engine: BlendEngine, args: argparse.Namespace) -> dict[str, dict]:
         if kind == "canonical":
             continue
         source = dataset_neighbours(kind, args.dataset, engine.tokenizer, args.chunk_tokens)
-        name = f"neighbours{args.neighbours}" if kind == "neighbours" else kind
-        out[name] = {
-            "precompute_context": kind,
-            "neighbours": source,
-            "store": MemoryStore(STORE_BYTES),
-        }
-        if kind == "neighbours":
-            out[name]["precompute_neighbours"] = args.neighbours
+        for rows in args.neighbour_rows.split(","):
+            name = f"neighbours{args.neighbours}" if kind == "neighbours" else kind
+            name += "" if rows == "reused" else f" {rows}"
+            out[name] = {
+                "precompute_context": kind,
+                "neighbours": source,
+                "neighbour_rows": rows,
+                "store": MemoryStore(STORE_BYTES),
+            }
+            if kind == "neighbours":
+                out[name]["precompute_neighbours"] = args.neighbours
     return out
 
 
@@ -95,6 +100,11 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--neighbours", type=int, default=2, help="n of the neighbours context")
     ap.add_argument("--contexts", default="canonical,neighbours,previous")
+    ap.add_argument(
+        "--neighbour-rows",
+        default="reused",
+        help="comma list of neighbour_rows values to run each neighbour context with",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32")

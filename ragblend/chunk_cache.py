@@ -97,8 +97,9 @@ class ChunkCache:
             return list(head) + self._filler_ids
         return []
 
-    def key(self, *, context_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
-        """The store key of ``chunk_ids`` precomputed after ``context_ids``."""
+    def key(self, *, context_ids: Sequence[int], chunk_ids: Sequence[int], tag: str = "") -> str:
+        """The store key of ``chunk_ids`` precomputed after ``context_ids`` (``tag``: see
+        :func:`ragblend.store.keys.chunk_key`)."""
         return chunk_key(
             fingerprint=self.fingerprint,
             dtype=self.layers.dtype,
@@ -106,6 +107,7 @@ class ChunkCache:
             namespace=self.config.namespace,
             context_ids=context_ids,
             chunk_ids=chunk_ids,
+            tag=tag,
         )
 
     def prefix_key(self, head: Sequence[int]) -> str:
@@ -120,21 +122,51 @@ class ChunkCache:
             self._separator_ids = list(prompt.separator)
         return self._separator_ids
 
-    def neighbour_ids(self, text: str, given: Sequence[str] | None = None) -> list[int]:
-        """Token ids put between the context and chunk ``text``: its neighbours (``given``,
-        else from ``self.neighbours``), each followed by the separator; ``[]`` when the
-        context is not a neighbour context or no neighbour is known."""
+    def neighbour_ids(self, text: str, given: Sequence[str] | None = None) -> list[list[int]]:
+        """Token ids of the neighbours chunk ``text`` is precomputed after (``given``, else
+        from ``self.neighbours``), least similar first, one list per neighbour (the separator
+        goes after each when computed); ``[]`` when the context is not a neighbour context or
+        no neighbour is known."""
         if self.config.precompute_context not in NEIGHBOUR_CONTEXTS:
             return []
         if given is None:
             source = self.neighbours
             n = self.config.precompute_neighbours
             given = [] if source is None else source.neighbours(text, n, self.config.namespace)
-        ids: list[int] = []
-        for neighbour in given:
-            if neighbour and neighbour != text:
-                ids += encode(self.tokenizer, neighbour) + self.separator_ids
-        return ids
+        return [encode(self.tokenizer, nb) for nb in given if nb and nb != text]
+
+    def neighbour_segments(
+        self,
+        neighbours: Sequence[Sequence[int]],
+        context_ids: list[int],
+        between_layers: Callable[[], None] | None = None,
+    ) -> list[Segment]:
+        """Each neighbour as a segment followed by the separator. ``neighbour_rows="reused"``:
+        with its KV — its own stored cache, else its isolated KV (stored under the
+        ``"isolated"`` tag, computed here once where missing); ``"computed"``: without KV."""
+        segments = []
+        for ids in neighbours:
+            kv = None
+            if self.config.neighbour_rows == "reused":
+                kv = self._neighbour_kv(list(ids), context_ids, between_layers)
+            segments += [
+                Segment("neighbour", list(ids), kv),
+                Segment("separator", self.separator_ids),
+            ]
+        return segments
+
+    def _neighbour_kv(
+        self, ids: list[int], context_ids: list[int], between_layers: Callable[[], None] | None
+    ) -> KVEntry:
+        own = self.store.get(self.key(context_ids=context_ids, chunk_ids=ids))
+        if own is not None:
+            return own
+        key = self.key(context_ids=context_ids, chunk_ids=ids, tag="isolated")
+        kv = self.store.get(key)
+        if kv is None:
+            kv = pack(self.compute_kv(ids, context_ids, between_layers), self.kv_dtype)
+            self.store.put(key, kv)
+        return kv
 
     # ------------------------------------------------------------------ chunk texts
     @property
@@ -181,32 +213,38 @@ class ChunkCache:
         ids: list[int],
         context_ids: list[int],
         between_layers: Callable[[], None] | None = None,
-        neighbour_ids: Sequence[int] = (),
+        neighbours: Sequence[Sequence[int]] = (),
     ) -> ChunkKV:
         """Prefill ``ids`` after ``context_ids`` (served from the exact prefix cache) and
-        ``neighbour_ids`` (computed, then dropped); the KV of ``ids`` only: pre-RoPE K and V,
+        ``neighbours`` (each followed by the separator; their KV reused or computed as
+        ``neighbour_rows`` says, then dropped); the KV of ``ids`` only: pre-RoPE K and V,
         [layers, kv_heads, len(ids), head_dim].
 
         ``between_layers`` is called before each layer (background warmup blocks there while a
         query runs, so a chunk already started yields the cores within one layer)."""
         window = self.layers.context_window
-        if window and len(context_ids) + len(neighbour_ids) + len(ids) > window:
-            # the neighbours' tail (next to the chunk) is what matters most: keep it
-            room = max(0, window - len(context_ids) - len(ids))
-            neighbour_ids = list(neighbour_ids)[len(neighbour_ids) - room :] if room else []
-        context_len = len(context_ids) + len(neighbour_ids)
+        neighbours = list(neighbours)
+        sep = len(self.separator_ids)
+        while (
+            window
+            and neighbours
+            and (len(context_ids) + sum(len(n) + sep for n in neighbours) + len(ids) > window)
+        ):
+            neighbours.pop(0)  # the least similar first: the one next to the chunk matters most
         segments = []
         if context_ids:
             segments.append(self.prefix_segment(context_ids))
-        if neighbour_ids:
-            segments.append(Segment("neighbours", list(neighbour_ids)))
+        segments += self.neighbour_segments(neighbours, context_ids, between_layers)
         segments.append(Segment("chunk", list(ids)))
+        context_len = sum(len(s) for s in segments) - len(ids)
         capture = PreRopeCapture()
         layers: Iterable = self.loader(segments)
         if between_layers is not None:
             layers = _calling_before_each(layers, between_layers)
-        out = fuse(self.layers, segments, layers, None, trace=capture)
-        # the capture holds every computed row (neighbours, then the chunk)
+        # cached neighbours are reused as they are ([]: only rows without a cache are computed)
+        reused = any(s.kv is not None and not s.exact for s in segments)
+        out = fuse(self.layers, segments, layers, [] if reused else None, trace=capture)
+        # the capture holds every computed row (neighbours or separators, then the chunk)
         k = torch.stack([k[0, :, k.shape[2] - len(ids) :] for k in capture.keys]).contiguous()
         v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
         meta = {
@@ -238,15 +276,15 @@ class ChunkCache:
         chunk_ids: Sequence[int],
         head: list[int],
         between_layers: Callable[[], None] | None = None,
-        neighbour_ids: Sequence[int] = (),
+        neighbours: Sequence[Sequence[int]] = (),
     ) -> bool:
         """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
-        ``between_layers`` and ``neighbour_ids``: see ``compute_kv``."""
+        ``between_layers`` and ``neighbours`` (token ids of each): see ``compute_kv``."""
         context_ids = self.context_ids(head)
         key = self.key(context_ids=context_ids, chunk_ids=chunk_ids)
         if key in self.store:
             return False
-        args = (list(chunk_ids), context_ids, between_layers, neighbour_ids)
+        args = (list(chunk_ids), context_ids, between_layers, neighbours)
         try:
             kv = self.compute_kv(*args)
         except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
@@ -277,7 +315,7 @@ class ChunkCache:
                     f"context window of {window}"
                 )
             nb = self.neighbour_ids(text, neighbours.get(text))
-            stored += self.precompute_ids(ids, head, neighbour_ids=nb)
+            stored += self.precompute_ids(ids, head, neighbours=nb)
             self.record_texts([(text, ids)], head)
         return stored
 

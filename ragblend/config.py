@@ -19,6 +19,8 @@ PrecomputeContext = Literal[
 PRECOMPUTE_CONTEXTS: tuple[str, ...] = get_args(PrecomputeContext)
 # Contexts that put other chunks of the corpus before a chunk (``ragblend.neighbours``).
 NEIGHBOUR_CONTEXTS: tuple[str, ...] = ("neighbours", "previous")
+NeighbourRows = Literal["reused", "computed"]
+NEIGHBOUR_ROWS: tuple[str, ...] = get_args(NeighbourRows)
 
 
 @dataclass
@@ -65,6 +67,11 @@ class BlendConfig:
         key is ``"canonical"``'s (the chunk's content): lookups, the matcher and the server are
         unchanged, and a chunk already stored is not recomputed.
     precompute_neighbours: how many neighbours ``"neighbours"`` puts before a chunk (>= 1).
+    neighbour_rows: how a neighbour context's neighbours are given to the chunk:
+        ``"reused"`` (their KV from the store, RoPE-shifted into place like any cached chunk:
+        their own cache where stored, else their isolated KV, computed once and kept in the
+        store under its own key; only the chunk's rows are computed) or ``"computed"`` (every
+        neighbour row computed with the chunk, exactly as a prefill of the whole context).
     packed_decode: on CPU, decode steps' linears run on oneDNN weights prepacked once
         (``ragblend.models.packed``): bf16 one-row inputs (identical outputs; CPUs at the
         ``avx512`` level or with AVX-NE-CONVERT) and fp32 inputs of up to 16 rows (a batched
@@ -103,6 +110,7 @@ class BlendConfig:
     # (benchmarks/neighbour_contexts.py).
     precompute_context: PrecomputeContext = "neighbours"
     precompute_neighbours: int = 2
+    neighbour_rows: NeighbourRows = "reused"
     mode: Mode = "blend"
     device: str = "cpu"
     dtype: str = "auto"
@@ -147,6 +155,11 @@ class BlendConfig:
             raise RagblendError(
                 f"unknown precompute_context {self.precompute_context!r}; expected one of "
                 f"{', '.join(PRECOMPUTE_CONTEXTS)}"
+            )
+        if self.neighbour_rows not in NEIGHBOUR_ROWS:
+            raise RagblendError(
+                f"neighbour_rows must be one of {', '.join(NEIGHBOUR_ROWS)}, "
+                f"got {self.neighbour_rows!r}"
             )
         n = self.precompute_neighbours
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -251,14 +251,15 @@ class BlendEngine:
         chunk_ids: Sequence[int],
         head: list[int],
         between_layers: Callable[[], None] | None = None,
-        neighbour_ids: Sequence[int] = (),
+        neighbours: Sequence[Sequence[int]] = (),
     ) -> bool:
         """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
 
         ``between_layers`` is called before each layer's compute (background warmup waits
-        there while a query runs); ``neighbour_ids`` (see :meth:`neighbour_ids`) are
-        prefilled between the context and the chunk, then dropped."""
-        return self.chunks.precompute_ids(chunk_ids, head, between_layers, neighbour_ids)
+        there while a query runs); ``neighbours`` (token ids of each, see
+        :meth:`neighbour_ids`) go between the context and the chunk, each followed by the
+        separator, and are dropped (``config.neighbour_rows``: their KV reused or computed)."""
+        return self.chunks.precompute_ids(chunk_ids, head, between_layers, neighbours)
 
     @property
     def neighbours(self) -> NeighbourSource | None:
@@ -284,9 +285,9 @@ class BlendEngine:
             index = self.neighbours = NeighbourIndex()
         index.add(texts, embeddings, self.config.namespace)
 
-    def neighbour_ids(self, chunk: str) -> list[int]:
-        """Ids prefilled before ``chunk`` under this config's precompute context (its
-        neighbours, each followed by the separator; ``[]`` outside neighbour contexts)."""
+    def neighbour_ids(self, chunk: str) -> list[list[int]]:
+        """Token ids of each neighbour ``chunk`` is precomputed after under this config's
+        precompute context, least similar first (``[]`` outside neighbour contexts)."""
         return self.chunks.neighbour_ids(chunk)
 
     def is_cached(self, chunk: str, prompt_format: PromptFormat | None = None) -> bool:

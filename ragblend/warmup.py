@@ -61,9 +61,9 @@ class _Precomputing:
             ids = list(item) if isinstance(item, tuple) else encode(self.engine.tokenizer, item)
             args: list = [ids, head, self._between_layers()]
             if isinstance(item, str):  # its neighbours: those its engine knows by now
-                neighbour_ids = self.engine.neighbour_ids(item)
-                if neighbour_ids:
-                    args.append(neighbour_ids)
+                neighbours = self.engine.neighbour_ids(item)
+                if neighbours:
+                    args.append(neighbours)
             stored = call_in_fresh_thread(
                 self.engine.precompute_ids, *args, name="ragblend-warmup-compute"
             )

@@ -143,6 +143,74 @@ def test_a_missing_neighbour_is_not_an_error_the_chunk_is_computed_alone(tokeniz
     )
 
 
+def _neighbour_engine(tokenizer, rows: str):
+    engine = engine_for(
+        tiny_model("llama"), tokenizer, precompute_context="neighbours", neighbour_rows=rows
+    )
+    engine.neighbours = _index()
+    return engine
+
+
+def test_computed_neighbour_rows_give_the_chunk_hf_full_prefill_of_its_context(tokenizer):
+    engine = _neighbour_engine(tokenizer, "computed")
+    engine.precompute(CHUNKS[1:2])
+    neighbours = engine.neighbour_ids(CHUNKS[1])
+    assert neighbours  # CHUNKS[0] and [2], least similar first
+    context = engine._context_ids(engine.prompt_head())
+    for ids in neighbours:
+        context = context + ids + engine.chunks.separator_ids
+    chunk = engine.tokenize(QUESTION, [CHUNKS[1]]).chunks[0]
+    ref = hf_forward(engine.model, context + chunk).past_key_values
+    mine = _stored(engine, CHUNKS[1])
+    for layer in range(3):
+        torch.testing.assert_close(
+            mine.layer(layer)[1],
+            ref.layers[layer].values[0, :, len(context) :],
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+def test_reused_neighbour_rows_keep_only_the_chunks_rows_computed(tokenizer):
+    reused, computed = (
+        _neighbour_engine(tokenizer, "reused"),
+        _neighbour_engine(tokenizer, "computed"),
+    )
+    for engine in (reused, computed):
+        engine.precompute(CHUNKS[1:2])
+    mine, exact = _stored(reused, CHUNKS[1]), _stored(computed, CHUNKS[1])
+    # layer 0's K/V depend on the token alone, so the neighbours' reused layer-0 rows are
+    # exact and the chunk's layer-1 values are too; from layer 2 on they were computed alone
+    torch.testing.assert_close(mine.layer(1)[1], exact.layer(1)[1], atol=1e-5, rtol=0)
+    assert not torch.allclose(mine.layer(2)[1], exact.layer(2)[1], atol=1e-4)
+
+
+def test_a_neighbours_isolated_kv_is_computed_once_under_its_own_key(tokenizer, monkeypatch):
+    engine = _neighbour_engine(tokenizer, "reused")
+    engine.chunks.prefix_kv(engine._context_ids(engine.prompt_head()))  # the head, out of the way
+    computed: list[list[int]] = []
+    compute = engine.chunks.compute_kv
+    monkeypatch.setattr(
+        engine.chunks, "compute_kv", lambda ids, *a: computed.append(ids) or compute(ids, *a)
+    )
+    engine.precompute(CHUNKS[1:2], neighbours={CHUNKS[1]: [CHUNKS[0]]})
+    engine.precompute(CHUNKS[2:], neighbours={CHUNKS[2]: [CHUNKS[0]]})
+    ids = [engine.tokenize(QUESTION, [c]).chunks[0] for c in CHUNKS]
+    assert computed == [ids[1], ids[0], ids[2]]  # CHUNKS[0] alone (inside [1]), once for both
+    # the neighbour's isolated KV is not its own cache: it is still precomputed as a chunk
+    assert not engine.is_cached(CHUNKS[0])
+    assert engine.precompute(CHUNKS[:1], neighbours={CHUNKS[0]: [CHUNKS[1]]}) == 1
+
+
+def test_a_reused_neighbour_is_read_from_its_own_stored_cache(tokenizer):
+    engine = _neighbour_engine(tokenizer, "reused")
+    engine.precompute(CHUNKS[:1], neighbours={CHUNKS[0]: []})
+    before = set(engine.store.keys())
+    engine.precompute(CHUNKS[1:2], neighbours={CHUNKS[1]: [CHUNKS[0]]})
+    added = set(engine.store.keys()) - before
+    assert len(added) == 1  # the chunk's own cache; no isolated copy of the neighbour
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blend_at_ratio_one_with_neighbour_caches_matches_hf_full_prefill(family, tokenizer):
     engine = engine_for(tiny_model(family), tokenizer, ratio=1.0, precompute_context="neighbours")

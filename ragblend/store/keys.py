@@ -58,17 +58,22 @@ def chunk_key(
     context_ids: Sequence[int],
     chunk_ids: Sequence[int],
     namespace: str | None = None,
+    tag: str = "",
 ) -> str:
     """Key of one chunk's KV: model, compute and storage dtypes, tenant namespace, the
     precompute context and the chunk's token ids.
 
     Independent of where the chunk appears in a prompt, so a permuted retrieval still hits.
     Keyword-only so that callers cannot swap the context and the chunk. The namespace salts
-    every key: tenants never share (or probe) each other's entries.
+    every key: tenants never share (or probe) each other's entries. ``tag`` names a second
+    kind of entry for the same chunk (``"isolated"``: a neighbour's KV computed alone, kept
+    apart from the chunk's own cache); untagged keys are unchanged by it.
     """
     h = hashlib.sha256()
     h.update(f"ragblend-kv-v{KEY_VERSION}|{fingerprint}|{dtype}|{kv_dtype}|".encode())
     h.update(f"ns={namespace or ''}|".encode())
+    if tag:
+        h.update(f"tag={tag}|".encode())
     h.update(_ids_bytes(context_ids))
     h.update(b"|")
     h.update(_ids_bytes(chunk_ids))
