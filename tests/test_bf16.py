@@ -122,3 +122,16 @@ def test_in_place_rope_gives_exactly_the_values_of_rope(family, dtype):
     expected = model.rotate(k, cos, sin)
     got = model.rotate_(k.clone(), cos, sin)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_auto_follows_the_measured_table_at_every_level(monkeypatch):
+    monkeypatch.setattr(
+        cpu, "cpu_flags", lambda: frozenset(AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    )
+    for level in cpu.LEVELS:
+        monkeypatch.setenv("RAGBLEND_CPU_ISA", level)
+        choice = dtypes.AUTO_BY_LEVEL[level]
+        assert dtypes.resolve_dtype("auto", "cpu") == choice.prefill
+        assert choice.measured and choice.why  # every row says where it comes from
+        # one copy of the weights serves both phases (no level asks for a second)
+        assert choice.decode == choice.prefill
