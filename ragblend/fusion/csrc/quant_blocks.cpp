@@ -377,7 +377,8 @@ class TilePrefetch {
 //
 // 4-bit quants are indices into a 16-entry table of their span's weights (sc * k + mn, k =
 // 0..15), built with the same products and sums as gguf's and looked up by vpermps; the other
-// types convert their quants (int8 -> float) and scale them.
+// types convert their quants (int8 -> float) and scale them. Q6_K's 6-bit quants are first
+// unpacked for a whole block at a time, 64 per 512-bit op, into int8 in L1 (q6_unpack).
 
 inline __m512 iota16(float first) {
   return _mm512_add_ps(_mm512_set1_ps(first), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
@@ -420,6 +421,39 @@ RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn,
   }
 }
 
+// A Q6_K block's 256 quants as int8 (ql | qh << 4) - 32, in weight order: each half h of the
+// block (weights 128 h + 32 t + l) from ql[64 h + 32 (t % 2) + l] (nibble t / 2) and qh[32 h +
+// l] (bits 2t, 2t + 1), 64 weights per op: t = 0, 1 from ql's low nibbles, t = 2, 3 from its
+// high ones. The 16-bit shifts spill bits between bytes only where the masks drop them.
+RAGBLEND_INLINE void q6_unpack(const uint8_t* b, int8_t* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+  const __m512i e32 = _mm512_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+    const __m512i lo = _mm512_and_si512(ql, m4);                         // t = 0 | t = 1
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4);  // t = 2 | t = 3
+    const __m512i h01 = _mm512_and_si512(
+        _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(qh, 4), _mm512_slli_epi16(qh, 2)), m2);
+    const __m512i h23 =
+        _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2)), m2);
+    _mm512_storeu_si512(out + 128 * h, _mm512_sub_epi8(_mm512_or_si512(lo, h01), e32));
+    _mm512_storeu_si512(out + 128 * h + 64, _mm512_sub_epi8(_mm512_or_si512(hi, h23), e32));
+  }
+}
+
+// Weights [32 U, 32 U + 32) of a Q6_K block from its unpacked quants q (q6_unpack): as
+// `weights` does for the other int8 types.
+template <int U>
+RAGBLEND_INLINE void q6_weights(const int8_t* q, const float* sc, __m512* w) {
+  for (int k = 0; k < 2; ++k) {
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(q + 32 * U + 16 * k));
+    w[k] = _mm512_mul_ps(_mm512_set1_ps(sc[2 * U + k]),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
+  }
+}
+
 using Acc = __m512;  // one of a pair's two accumulators
 inline float pair_sum(const Acc* a) {  // fixed order: the two, halves, then as hsum
   const __m512 s = _mm512_add_ps(a[0], a[1]);
@@ -432,6 +466,8 @@ template <class T, int R, int G>
 void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
               const float* const* mn, const float* x, Acc (*acc)[kMaxRows][2], int64_t i0) {
   constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  constexpr bool kQ6 = std::is_same_v<T, Q6_K>;
+  alignas(64) int8_t q6[kQ6 ? R : 1][kQ6 ? T::kElems : 1];
   Acc a[R][G][2];
   unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
     unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
@@ -439,10 +475,13 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
     });
   });
   for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (kQ6)
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { q6_unpack(src[r] + b * T::kBytes, q6[r]); });
     unroll<T::kElems / 32>([&](auto U) RAGBLEND_INLINE_LAMBDA {
       unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
         __m512 w[2];
-        weights<T, U>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn, w);
+        if constexpr (kQ6) q6_weights<U>(q6[r], sc[r] + b * kSc, w);
+        else weights<T, U>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn, w);
         unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
           const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
           a[r][g][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w[0], a[r][g][0]);
