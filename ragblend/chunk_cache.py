@@ -37,8 +37,12 @@ from ragblend.prompt import (
 from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.chunk_texts import ChunkTexts
 from ragblend.store.keys import chunk_key
+from ragblend.store.memory import MemoryStore
 from ragblend.store.quant import pack
 from ragblend.threads import core_free_for_a_reader
+
+# the neighbours' isolated KV one ChunkCache keeps while precomputing (neighbour_rows="reused")
+ISOLATED_BYTES = 1 << 30
 
 
 class ChunkCache:
@@ -62,6 +66,7 @@ class ChunkCache:
         self._texts: ChunkTexts | None = None
         self._texts_store: KVStore | None = None
         self._separator_ids: list[int] | None = None
+        self._isolated: MemoryStore | None = None
         # where a neighbour context finds a chunk's neighbours (BlendEngine.neighbours)
         self.neighbours: NeighbourSource | None = None
 
@@ -140,15 +145,17 @@ class ChunkCache:
         neighbours: Sequence[Sequence[int]],
         context_ids: list[int],
         between_layers: Callable[[], None] | None = None,
+        prefix: Segment | None = None,
     ) -> list[Segment]:
         """Each neighbour as a segment followed by the separator. ``neighbour_rows="reused"``:
-        with its KV — its own stored cache, else its isolated KV (stored under the
-        ``"isolated"`` tag, computed here once where missing); ``"computed"``: without KV."""
+        with its KV — its own stored cache, else its isolated KV (computed here where this
+        cache does not hold it in :attr:`isolated`; ``prefix``: the context's segment, when
+        the caller has it); ``"computed"``: without KV."""
         segments = []
         for ids in neighbours:
             kv = None
             if self.config.neighbour_rows == "reused":
-                kv = self._neighbour_kv(list(ids), context_ids, between_layers)
+                kv = self._neighbour_kv(list(ids), context_ids, between_layers, prefix)
             segments += [
                 Segment("neighbour", list(ids), kv),
                 Segment("separator", self.separator_ids),
@@ -156,17 +163,30 @@ class ChunkCache:
         return segments
 
     def _neighbour_kv(
-        self, ids: list[int], context_ids: list[int], between_layers: Callable[[], None] | None
+        self,
+        ids: list[int],
+        context_ids: list[int],
+        between_layers: Callable[[], None] | None,
+        prefix: Segment | None,
     ) -> KVEntry:
         own = self.store.get(self.key(context_ids=context_ids, chunk_ids=ids))
         if own is not None:
             return own
         key = self.key(context_ids=context_ids, chunk_ids=ids, tag="isolated")
-        kv = self.store.get(key)
+        kv = self.isolated.get(key)
         if kv is None:
-            kv = pack(self.compute_kv(ids, context_ids, between_layers), self.kv_dtype)
-            self.store.put(key, kv)
+            kv = pack(self.compute_kv(ids, context_ids, between_layers, (), prefix), self.kv_dtype)
+            self.isolated.put(key, kv)
         return kv
+
+    @property
+    def isolated(self) -> MemoryStore:
+        """Neighbours' isolated KV made while precomputing, least recently used dropped past
+        :data:`ISOLATED_BYTES`: in this process only, never in the store (they serve no query;
+        the store keeps what prompts hit)."""
+        if self._isolated is None:
+            self._isolated = MemoryStore(ISOLATED_BYTES)
+        return self._isolated
 
     # ------------------------------------------------------------------ chunk texts
     @property
@@ -214,11 +234,13 @@ class ChunkCache:
         context_ids: list[int],
         between_layers: Callable[[], None] | None = None,
         neighbours: Sequence[Sequence[int]] = (),
+        prefix: Segment | None = None,
     ) -> ChunkKV:
         """Prefill ``ids`` after ``context_ids`` (served from the exact prefix cache) and
         ``neighbours`` (each followed by the separator; their KV reused or computed as
         ``neighbour_rows`` says, then dropped); the KV of ``ids`` only: pre-RoPE K and V,
-        [layers, kv_heads, len(ids), head_dim].
+        [layers, kv_heads, len(ids), head_dim]. ``prefix``: the context's segment where the
+        caller has it (it is not looked up again).
 
         ``between_layers`` is called before each layer (background warmup blocks there while a
         query runs, so a chunk already started yields the cores within one layer)."""
@@ -233,8 +255,9 @@ class ChunkCache:
             neighbours.pop(0)  # the least similar first: the one next to the chunk matters most
         segments = []
         if context_ids:
-            segments.append(self.prefix_segment(context_ids))
-        segments += self.neighbour_segments(neighbours, context_ids, between_layers)
+            prefix = prefix or self.prefix_segment(context_ids)
+            segments.append(prefix)
+        segments += self.neighbour_segments(neighbours, context_ids, between_layers, prefix)
         segments.append(Segment("chunk", list(ids)))
         context_len = sum(len(s) for s in segments) - len(ids)
         capture = PreRopeCapture()

@@ -185,7 +185,7 @@ def test_reused_neighbour_rows_keep_only_the_chunks_rows_computed(tokenizer):
     assert not torch.allclose(mine.layer(2)[1], exact.layer(2)[1], atol=1e-4)
 
 
-def test_a_neighbours_isolated_kv_is_computed_once_under_its_own_key(tokenizer, monkeypatch):
+def test_a_neighbours_isolated_kv_is_computed_once_and_not_stored(tokenizer, monkeypatch):
     engine = _neighbour_engine(tokenizer, "reused")
     engine.chunks.prefix_kv(engine._context_ids(engine.prompt_head()))  # the head, out of the way
     computed: list[list[int]] = []
@@ -197,8 +197,9 @@ def test_a_neighbours_isolated_kv_is_computed_once_under_its_own_key(tokenizer, 
     engine.precompute(CHUNKS[2:], neighbours={CHUNKS[2]: [CHUNKS[0]]})
     ids = [engine.tokenize(QUESTION, [c]).chunks[0] for c in CHUNKS]
     assert computed == [ids[1], ids[0], ids[2]]  # CHUNKS[0] alone (inside [1]), once for both
-    # the neighbour's isolated KV is not its own cache: it is still precomputed as a chunk
-    assert not engine.is_cached(CHUNKS[0])
+    assert len(engine.chunks.isolated) == 1
+    # the store holds the head and the two chunks only: the neighbour is still precomputed
+    assert len(engine.store) == 3 and not engine.is_cached(CHUNKS[0])
     assert engine.precompute(CHUNKS[:1], neighbours={CHUNKS[0]: [CHUNKS[1]]}) == 1
 
 

@@ -66,8 +66,8 @@ def chunk_key(
     Independent of where the chunk appears in a prompt, so a permuted retrieval still hits.
     Keyword-only so that callers cannot swap the context and the chunk. The namespace salts
     every key: tenants never share (or probe) each other's entries. ``tag`` names a second
-    kind of entry for the same chunk (``"isolated"``: a neighbour's KV computed alone, kept
-    apart from the chunk's own cache); untagged keys are unchanged by it.
+    kind of entry for the same chunk (``"isolated"``: a neighbour's KV computed alone while
+    precomputing, kept apart from the chunk's own cache); untagged keys are unchanged by it.
     """
     h = hashlib.sha256()
     h.update(f"ragblend-kv-v{KEY_VERSION}|{fingerprint}|{dtype}|{kv_dtype}|".encode())
