@@ -10,8 +10,8 @@ measures, with OpenAI-format chat requests whose user message holds ``--top-k`` 
   ``--repeats`` pairs), the mode that ran and its chunk hits;
 - ``streaming_clients``: ``--clients`` concurrent streaming requests: errors, whether every
   stream ended with ``data: [DONE]``, client-side TTFTs;
-- ``decode_throughput``: aggregate decode tokens/s of 4 concurrent requests vs one alone
-  (client-side, over the span in which every one of them is decoding), for the first of
+- ``decode_throughput``: aggregate decode tokens/s of 4 and of 8 concurrent requests vs one
+  alone (client-side, over the span in which every one of them is decoding), for the first of
   ``--prompt-sizes``; ``decode_throughput_by_prompt``: the same for each prompt size (by
   default ``6x512``, the chunks above, and ``6x150``: six passages of at most 150 tokens,
   ≈0.9k-token prompts; ``6xall`` sends six whole passages, uncut), with the prompt's tokens;
@@ -152,16 +152,18 @@ def rate(runs: list[dict]) -> float:
 
 
 async def throughput(http: httpx.AsyncClient, body: dict, args) -> tuple[dict, list[dict]]:
-    """decode_throughput of ``body``: one request alone (``--repeats``) vs 4 at once; and the
-    lone runs."""
+    """decode_throughput of ``body``: one request alone (``--repeats``) vs 4 and 8 at once;
+    and the lone runs."""
     alone = [await stream_one(http, body) for _ in range(args.repeats)]
-    together = await asyncio.gather(*(stream_one(http, body) for _ in range(4)))
+    four = rate(list(await asyncio.gather(*(stream_one(http, body) for _ in range(4)))))
+    eight = rate(list(await asyncio.gather(*(stream_one(http, body) for _ in range(8)))))
     single = statistics.median(rate([r]) for r in alone)
-    four = rate(list(together))
     return {
         "single_tok_s": single,
         "four_concurrent_tok_s": four,
         "ratio": four / single if single else None,
+        "eight_concurrent_tok_s": eight,
+        "ratio_eight": eight / single if single else None,
     }, alone
 
 
