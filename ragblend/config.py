@@ -110,6 +110,9 @@ class BlendConfig:
     # (benchmarks/neighbour_contexts.py).
     precompute_context: PrecomputeContext = "neighbours"
     precompute_neighbours: int = 2
+    # Reused: blend answer KL 0.37x isolated reuse's instead of 0.34x (questions 20-39) for
+    # 1.34x an isolated precompute per chunk once its neighbours are stored instead of 3.59x
+    # (benchmarks/neighbour_contexts.py --neighbour-rows, benchmarks/neighbour_cost.py).
     neighbour_rows: NeighbourRows = "reused"
     mode: Mode = "blend"
     device: str = "cpu"
