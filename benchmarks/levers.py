@@ -198,6 +198,39 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def equal_ttft(results: dict) -> str:
+    """Markdown: each selector's KL interpolated (linearly in TTFT / full prefill, between its
+    measured ratios) at the default blend's TTFT / full; "—" where that TTFT is outside them."""
+    modes = results["modes"]
+    base = modes["reuse canonical"]
+    target = 1 / modes["blend default"]["speedup_vs_full"]
+    lines = [
+        f"Equal TTFT: at blend default's TTFT / full = {target:.3f}",
+        "",
+        "| selector | answer KL / iso reuse | 1st KL / iso reuse | ratio there |",
+        "|---|---:|---:|---:|",
+    ]
+    for sel in results["settings"]["selectors"].split(","):
+        pts = sorted(
+            (1 / m["speedup_vs_full"], m, float(name.rsplit(" r", 1)[1]))
+            for name, m in modes.items()
+            if name.startswith(f"L1 {sel} r")
+        )
+        cells = ["—", "—", "—"]
+        for (t0, m0, r0), (t1, m1, r1) in zip(pts, pts[1:]):
+            if t0 <= target <= t1:
+                w = (target - t0) / (t1 - t0) if t1 > t0 else 0.0
+                a = (1 - w) * m0["answer_kl_mean"] + w * m1["answer_kl_mean"]
+                f = (1 - w) * m0["first_token_kl_mean"] + w * m1["first_token_kl_mean"]
+                cells = [
+                    f"{a / base['answer_kl_mean']:.2f}×",
+                    f"{f / base['first_token_kl_mean']:.2f}×",
+                    f"≈{(1 - w) * r0 + w * r1:.3f}",
+                ]
+        lines.append(f"| {sel} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dataset", required=True)
@@ -262,6 +295,7 @@ def main() -> None:
         (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
         print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
     print(table(results))
+    print(equal_ttft(results))
 
 
 if __name__ == "__main__":
