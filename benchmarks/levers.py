@@ -81,10 +81,12 @@ class ScaledCachedKeys(CachedKeyTemperature):
 
 def scaled_temper(selector, rows):
     """``cached_key_temper`` that honours a selector's ``context_scale`` (benchmark-local)."""
-    scale = getattr(getattr(selector, "inner", None), "context_scale", 1.0)
-    if isinstance(selector, SelectionPolicy) and scale != 1.0:
-        return ScaledCachedKeys(selector.cached_temperature, scale, rows.cached & ~rows.exact)
-    return cached_key_temper(selector, rows)
+    wrapped = isinstance(selector, SelectionPolicy)  # not wrapped when T = 1
+    scale = getattr(selector.inner if wrapped else selector, "context_scale", 1.0)
+    if scale == 1.0:
+        return cached_key_temper(selector, rows)
+    temperature = selector.cached_temperature if wrapped else 1.0
+    return ScaledCachedKeys(temperature, scale, rows.cached & ~rows.exact)
 
 
 def scale_selector(scale: float) -> str:
@@ -110,13 +112,13 @@ def variants(args: argparse.Namespace, nb: dict, iso: dict) -> list[Variant]:
         Variant("reuse neighbours", "reuse", nb),
         Variant("blend default", "blend", blend),
     ]
-    for sel in args.selectors.split(","):
+    for sel in filter(None, args.selectors.split(",")):
         out.append(Variant(f"L1 {sel} r{r:g}", "blend", {**blend, "selector": sel}))
         for low in map(float, args.equal_ratios.split(",") if args.equal_ratios else []):
             out.append(
                 Variant(f"L1 {sel} r{low:g}", "blend", {**nb, "ratio": low, "selector": sel})
             )
-    for t in map(float, args.temperatures.split(",")):
+    for t in map(float, filter(None, args.temperatures.split(","))):
         out.append(Variant(f"L2 T{t:g}", "blend", {**blend, "cached_temperature": t}))
     for t in map(float, args.scale_temperatures.split(",")):
         for s in map(float, args.scales.split(",") if args.scales else []):
@@ -210,7 +212,7 @@ def equal_ttft(results: dict) -> str:
         "| selector | answer KL / iso reuse | 1st KL / iso reuse | ratio there |",
         "|---|---:|---:|---:|",
     ]
-    for sel in results["settings"]["selectors"].split(","):
+    for sel in filter(None, results["settings"]["selectors"].split(",")):
         pts = sorted(
             (1 / m["speedup_vs_full"], m, float(name.rsplit(" r", 1)[1]))
             for name, m in modes.items()
