@@ -246,7 +246,7 @@ class ChunkCache:
         query runs, so a chunk already started yields the cores within one layer)."""
         window = self.layers.context_window
         neighbours = list(neighbours)
-        sep = len(self.separator_ids)
+        sep = len(self.separator_ids) if neighbours else 0
         while (
             window
             and neighbours
