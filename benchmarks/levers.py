@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from neighbour_contexts import KL_HEADER, kl_row  # benchmarks/, the script's own folder
 
 import ragblend.fusion.fusor as fusor
 from ragblend import BlendEngine
@@ -181,18 +182,9 @@ def table(results: dict) -> str:
     """Markdown: one row per variant, KL also as a multiple of isolated reuse's."""
     modes = results["modes"]
     base = modes["reuse canonical"]
-    lines = [
-        "| variant | answer KL | / iso reuse | 1st KL | / iso reuse | agreement "
-        "| recomputed | TTFT / full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [KL_HEADER + " TTFT / full |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in modes.items():
-        a, f = m["answer_kl_mean"], m["first_token_kl_mean"]
-        lines.append(
-            f"| {name} | {a:.4f} | {a / base['answer_kl_mean']:.2f}× | {f:.4f} "
-            f"| {f / base['first_token_kl_mean']:.2f}× | {m['agreement_with_full']:.2f} "
-            f"| {m['recomputed_fraction_mean']:.3f} | {1 / m['speedup_vs_full']:.3f} |"
-        )
+        lines.append(f"{kl_row(name, m, base)} {1 / m['speedup_vs_full']:.3f} |")
     for k, v in results.get("repair_answer_kl", {}).items():
         if k.endswith(f"-> {results['settings']['ratio']:g}"):
             continue  # the default blend itself

@@ -57,22 +57,28 @@ def contexts(engine: BlendEngine, args: argparse.Namespace) -> dict[str, dict]:
     return out
 
 
+KL_HEADER = (
+    "| variant | answer KL | ans KL / isolated reuse | 1st-token KL | 1st KL / isolated reuse "
+    "| agreement | recomputed |"
+)
+
+
+def kl_row(name: str, m: dict, base: dict) -> str:
+    """A markdown row of variant ``name``'s metrics ``m``, KL also relative to ``base``'s."""
+    a, f = m["answer_kl_mean"], m["first_token_kl_mean"]
+    return (
+        f"| {name} | {a:.4f} | {a / base['answer_kl_mean']:.2f}× | {f:.4f} "
+        f"| {f / base['first_token_kl_mean']:.2f}× | {m['agreement_with_full']:.2f} "
+        f"| {m['recomputed_fraction_mean']:.3f} |"
+    )
+
+
 def table(results: dict) -> str:
     """Markdown: one row per variant, KL also as a multiple of isolated reuse's."""
     modes = results["modes"]
     base = modes["reuse canonical"]
-    lines = [
-        "| variant | answer KL | ans KL / isolated reuse | 1st-token KL | 1st KL / isolated reuse "
-        "| agreement | recomputed |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, m in modes.items():
-        a, f = m["answer_kl_mean"], m["first_token_kl_mean"]
-        lines.append(
-            f"| {name} | {a:.4f} | {a / base['answer_kl_mean']:.2f}× | {f:.4f} "
-            f"| {f / base['first_token_kl_mean']:.2f}× | {m['agreement_with_full']:.2f} "
-            f"| {m['recomputed_fraction_mean']:.3f} |"
-        )
+    lines = [KL_HEADER, "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [kl_row(name, m, base) for name, m in modes.items()]
     lines += ["", "| precompute context | warmup chunks/s | vs canonical |", "|---|---:|---:|"]
     warm = results["warmup_chunks_per_s"]
     for name, rate in warm.items():
