@@ -70,7 +70,7 @@ class BlendConfig:
     neighbour_rows: how a neighbour context's neighbours are given to the chunk:
         ``"reused"`` (their KV from the store, RoPE-shifted into place like any cached chunk:
         their own cache where stored, else their isolated KV, computed once and kept in the
-        store under its own key; only the chunk's rows are computed) or ``"computed"`` (every
+        precomputing process's memory; only the chunk's rows are computed) or ``"computed"`` (every
         neighbour row computed with the chunk, exactly as a prefill of the whole context).
     packed_decode: on CPU, decode steps' linears run on oneDNN weights prepacked once
         (``ragblend.models.packed``): bf16 one-row inputs (identical outputs; CPUs at the
