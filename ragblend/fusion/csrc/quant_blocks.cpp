@@ -393,6 +393,11 @@ inline __m512i nibbles16(const uint8_t* p) {
   else return v;  // vpermps reads an index's low 4 bits only
 }
 
+// 16 int8 quants times their scale, as gguf multiplies them (sc * q, one product each)
+inline __m512 scaled_int8(__m128i q, float sc) {
+  return _mm512_mul_ps(_mm512_set1_ps(sc), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
+
 // Weights [32 U, 32 U + 32) of block b of type T as float32, gguf's values: w[0], w[1] 16 each.
 // sc, mn: the block's scales (T::scales, times 2^24 back: sc * q as gguf multiplies it).
 template <class T, int U>
@@ -414,8 +419,7 @@ RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn,
     __m256i v[2];
     T::template bytes<U>(b, v);
     for (int k = 0; k < 2; ++k) {
-      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v[k])));
-      w[k] = _mm512_mul_ps(_mm512_set1_ps(sc[T::kSpan == 32 ? U : 2 * U + k]), q);
+      w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), sc[T::kSpan == 32 ? U : 2 * U + k]);
       if constexpr (T::kMin) w[k] = _mm512_add_ps(w[k], _mm512_set1_ps(mn[U]));
     }
   }
@@ -447,11 +451,9 @@ RAGBLEND_INLINE void q6_unpack(const uint8_t* b, int8_t* out) {
 // `weights` does for the other int8 types.
 template <int U>
 RAGBLEND_INLINE void q6_weights(const int8_t* q, const float* sc, __m512* w) {
-  for (int k = 0; k < 2; ++k) {
-    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(q + 32 * U + 16 * k));
-    w[k] = _mm512_mul_ps(_mm512_set1_ps(sc[2 * U + k]),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
-  }
+  for (int k = 0; k < 2; ++k)
+    w[k] = scaled_int8(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(q + 32 * U + 16 * k)), sc[2 * U + k]);
 }
 
 using Acc = __m512;  // one of a pair's two accumulators
