@@ -60,17 +60,17 @@ class Detokenizer:
         text = self._decode(self.window)
         if len(text) <= len(self.prefix_text) or text.endswith("\ufffd"):
             return ""
-        delta = text[len(self.prefix_text) :]
-        self.window = self.window[self.read :]
-        self.read = len(self.window)
-        self.prefix_text = self._decode(self.window)
-        return delta
+        return self._show(text)
 
     def flush(self) -> str:
         """Text still held back (an incomplete character at the end of the answer)."""
         if self.read == len(self.window):
             return ""
-        text = self._decode(self.window)
+        return self._show(self._decode(self.window))
+
+    def _show(self, text: str) -> str:
+        """What the window's ``text`` adds to the prefix's; the ids not shown become the
+        prefix."""
         delta = text[len(self.prefix_text) :]
         self.window = self.window[self.read :]
         self.read = len(self.window)
