@@ -398,6 +398,47 @@ inline __m512 scaled_int8(__m128i q, float sc) {
   return _mm512_mul_ps(_mm512_set1_ps(sc), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
 }
 
+// A Q4_K or Q5_K block's 8 scales sc_j = d * scale_j and offsets mn_j = -(dmin * min_j), the
+// products gguf rounds, from its first 16 bytes at once: k_scales' unpacking as two byte
+// shuffles of (d, dmin, 12 packed bytes q) into [scale 0..7 | min 0..7]. j < 4: scale q[j] & 63,
+// min q[j + 4] & 63; j >= 4: scale (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 |
+// (q[j] >> 6) << 4. The 16-bit shifts spill bits between bytes only where the masks drop them.
+RAGBLEND_INLINE void k_scales512(const uint8_t* b, float* sc, float* mn) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i low = _mm_shuffle_epi8(a, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                        12, 13, 14, 15));
+  const __m128i m6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i lo = _mm_and_si128(_mm_mask_blend_epi8(0xF000, low, _mm_srli_epi16(low, 4)), m6);
+  const __m128i top = _mm_shuffle_epi8(a, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1,
+                                                        8, 9, 10, 11));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+  const __m512 k = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, hi)));
+  const __m512 dd = _mm512_permutexvar_ps(  // d in lanes 0..7, dmin in 8..15
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_castps128_ps512(_mm_cvtph_ps(a)));
+  const __m512 neg_mins = _mm512_castsi512_ps(_mm512_setr_epi32(
+      0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+      INT32_MIN, INT32_MIN));
+  const __m512 v = _mm512_xor_ps(_mm512_mul_ps(dd, k), neg_mins);
+  _mm256_storeu_ps(sc, _mm512_castps512_ps256(v));
+  _mm256_storeu_ps(mn, _mm512_extractf32x8_ps(v, 1));
+}
+
+// A block's scales (T::scales) as `weights` takes them: sc * q as gguf multiplies it.
+template <class T>
+RAGBLEND_INLINE void block_scales(const uint8_t* b, float* sc, float* mn) {
+  if constexpr (std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>) {
+    k_scales512(b, sc, mn);
+  } else if constexpr (std::is_same_v<T, Q6_K>) {  // d * scale_j, 16 int8 scales
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    _mm512_storeu_ps(sc, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
+  } else {
+    T::scales(b, sc, mn);
+    for (int k = 0; k < T::kElems / T::kSpan; ++k) sc[k] *= 16777216.0f;  // 2^24: exact
+  }
+}
+
 // Weights [32 U, 32 U + 32) of block b of type T as float32, gguf's values: w[0], w[1] 16 each.
 // sc, mn: the block's scales (T::scales, times 2^24 back: sc * q as gguf multiplies it).
 template <class T, int U>
@@ -554,9 +595,8 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
       for (int64_t r = 0; r < tile; ++r) {
         src[r] = w + (t0 + r) * row_bytes + b0 * T::kBytes;
         ahead.step(per_group * T::kBytes);
-        for (int64_t b = 0; b < nb; ++b) T::scales(src[r] + b * T::kBytes, sc[r] + b * kSc,
-                                                   mn[r] + b * kMn);
-        for (int64_t k = 0; k < nb * kSc; ++k) sc[r][k] *= 16777216.0f;  // 2^24: exact
+        for (int64_t b = 0; b < nb; ++b)
+          block_scales<T>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
       }
       dot_rows<T>(tile, n, src, nb, scp, mnp, x + g * n * kGroup, acc);
     }
