@@ -44,12 +44,17 @@ constexpr int64_t kTask = 64;     // weight rows per thread task (a multiple of 
 
 using Acc = __m512;
 
+#define RAGBLEND_INLINE inline __attribute__((always_inline))
+#define RAGBLEND_INLINE_LAMBDA __attribute__((always_inline))  // a lambda's, after its ()
+
+// f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>), inlined: the
+// accumulators of a tile must stay in registers
 template <class F, int... I>
-inline __attribute__((always_inline)) void unroll_impl(F& f, std::integer_sequence<int, I...>) {
+RAGBLEND_INLINE void unroll_impl(F& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
 }
 template <int N, class F>
-inline __attribute__((always_inline)) void unroll(F&& f) {
+RAGBLEND_INLINE void unroll(F&& f) {
   unroll_impl(f, std::make_integer_sequence<int, N>{});
 }
 
@@ -68,7 +73,7 @@ inline uint16_t round_bf16(float f) {  // c10::BFloat16's round_to_nearest_even
 }
 
 // 32 bf16 weights -> w[0] the even columns, w[1] the odd ones, exactly as fp32
-inline __attribute__((always_inline)) void widen(const uint16_t* p, __m512* w) {
+RAGBLEND_INLINE void widen(const uint16_t* p, __m512* w) {
   const __m512i v = _mm512_loadu_si512(p);
   w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   w[1] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
@@ -95,42 +100,39 @@ template <int R, int G>
 void dot_tile(const uint16_t* const* w, int64_t nblk, const float* x, Acc (*acc)[kMaxRows][2],
               int64_t i0) {
   Acc a[R][G][2];
-  unroll<R>([&](auto r) {
-    unroll<G>([&](auto g) { a[r][g][0] = acc[r][i0 + g][0], a[r][g][1] = acc[r][i0 + g][1]; });
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { a[r][g][0] = acc[r][i0 + g][0], a[r][g][1] = acc[r][i0 + g][1]; });
   });
   for (int64_t b = 0; b < nblk; ++b) {
-    unroll<R>([&](auto r) {
+    __m512 xv[G][2];  // loaded once for the R weight rows (not once per FMA)
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+      xv[g][0] = _mm512_loadu_ps(x + (i0 + g) * kGroup + b * kBlock);
+      xv[g][1] = _mm512_loadu_ps(x + (i0 + g) * kGroup + b * kBlock + 16);
+    });
+    unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
       __m512 wv[2];
       widen(w[r] + b * kBlock, wv);
-      unroll<G>([&](auto g) {
-        const float* xp = x + (i0 + g) * kGroup + b * kBlock;
-        a[r][g][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), wv[0], a[r][g][0]);
-        a[r][g][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), wv[1], a[r][g][1]);
+      unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+        a[r][g][0] = _mm512_fmadd_ps(xv[g][0], wv[0], a[r][g][0]);
+        a[r][g][1] = _mm512_fmadd_ps(xv[g][1], wv[1], a[r][g][1]);
       });
     });
   }
-  unroll<R>([&](auto r) {
-    unroll<G>([&](auto g) { acc[r][i0 + g][0] = a[r][g][0], acc[r][i0 + g][1] = a[r][g][1]; });
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { acc[r][i0 + g][0] = a[r][g][0], acc[r][i0 + g][1] = a[r][g][1]; });
   });
 }
 
-// rows x n pairs in tiles that keep 8-16 independent FMA chains in flight: 4 weight rows by
-// 1 or 2 rows of x, 2 by up to 4 (n >= 3, x in chunks of 4); the rows left, 1 by up to 8
+// rows x n pairs in tiles that keep 8-16 independent FMA chains in flight and load little per
+// FMA: 4 weight rows by 1 or 2 rows of x (x in chunks of 2); the rows left, 1 by up to 8
 void dot_rows(int64_t rows, int64_t n, const uint16_t* const* w, int64_t nblk, const float* x,
               Acc (*acc)[kMaxRows][2]) {
-  const int64_t R = n <= 2 ? 4 : 2;
   int64_t r = 0;
-  for (; r + R <= rows; r += R) {
-    if (n == 1) dot_tile<4, 1>(w + r, nblk, x, acc + r, 0);
-    else if (n == 2) dot_tile<4, 2>(w + r, nblk, x, acc + r, 0);
-    else
-      for (int64_t i0 = 0; i0 < n; i0 += 4) switch (std::min<int64_t>(4, n - i0)) {
-          case 1: dot_tile<2, 1>(w + r, nblk, x, acc + r, i0); break;
-          case 2: dot_tile<2, 2>(w + r, nblk, x, acc + r, i0); break;
-          case 3: dot_tile<2, 3>(w + r, nblk, x, acc + r, i0); break;
-          default: dot_tile<2, 4>(w + r, nblk, x, acc + r, i0); break;
-        }
-  }
+  for (; r + 4 <= rows; r += 4)
+    for (int64_t i0 = 0; i0 < n; i0 += 2) {
+      if (n - i0 == 1) dot_tile<4, 1>(w + r, nblk, x, acc + r, i0);
+      else dot_tile<4, 2>(w + r, nblk, x, acc + r, i0);
+    }
   for (; r < rows; ++r)
     for (int64_t i0 = 0; i0 < n; i0 += 8) switch (std::min<int64_t>(8, n - i0)) {
         case 1: dot_tile<1, 1>(w + r, nblk, x, acc + r, i0); break;
@@ -152,16 +154,28 @@ inline float pair_sum(const Acc* a) {  // fixed order: the two, then halves down
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// One weight [rows, cols]'s rows [r0, r1): out[i * stride + r] (bf16 bits), x packed (pack_x)
+// One weight [rows, cols]'s rows [r0, r1): out[i * stride + r] (bf16 bits), x packed (pack_x).
+// The hardware prefetcher alone leaves a lone row of x at a third of the memory bandwidth
+// (a tile reads its rows' columns group by group, not in address order), so each group step
+// also prefetches its share of the weight bytes kAhead bytes further on (within the task).
 void matmul_rows(const float* x, int64_t n, int64_t cols, const uint16_t* w, const uint16_t* bias,
                  int64_t r0, int64_t r1, uint16_t* out, int64_t stride) {
+  constexpr int64_t kAhead = 8192;
   alignas(64) Acc acc[kRowTile][kMaxRows][2];
   const uint16_t* src[kRowTile];
+  const char* end = reinterpret_cast<const char*>(w + r1 * cols);
+  const char* ahead = reinterpret_cast<const char*>(w + r0 * cols);
+  for (const char* p = ahead; p < std::min(end, ahead + kAhead); p += 64)
+    _mm_prefetch(p, _MM_HINT_T0);
+  ahead += kAhead;
   for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
     const int64_t tile = std::min(kRowTile, r1 - t0);
     for (int64_t r = 0; r < tile; ++r)
       for (int64_t i = 0; i < n; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < cols; c0 += kGroup) {
+      const int64_t bytes = tile * std::min(kGroup, cols - c0) * 2;
+      for (const char* stop = std::min(end, ahead + bytes); ahead < stop; ahead += 64)
+        _mm_prefetch(ahead, _MM_HINT_T0);
       for (int64_t r = 0; r < tile; ++r) src[r] = w + (t0 + r) * cols + c0;
       dot_rows(tile, n, src, std::min(kGroup, cols - c0) / kBlock, x + c0 * n, acc);
     }
