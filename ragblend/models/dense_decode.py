@@ -1,7 +1,7 @@
 """A native bf16 matmul for a decode step's few rows, each row's output the same in any batch.
 
-``ragblend/fusion/csrc/dense_bf16.cpp`` (AVX512 F/BW, compiled on first use) has two ops on
-bf16 CPU tensors:
+``ragblend/fusion/csrc/dense_bf16.cpp`` (compiled on first use, in one of :data:`BUILDS`) has
+two ops on bf16 CPU tensors:
 
 - ``matmul(x [n, cols], weight [rows, cols], bias [rows] | None) -> [n, rows]``: ``F.linear``'s
   result for ``1 <= n <=`` :data:`MAX_ROWS`, reading each weight row once for all n rows;
@@ -16,12 +16,22 @@ does. So each row's output is the same bit for bit whatever the rows beside it (
 decoded in a batch gets what it gets alone), and it differs from ``F.linear``'s only where
 another fp32 summation order flips a bf16 rounding.
 
-:func:`dense_kernel` builds the ops once per process where the CPU level (:mod:`ragblend.cpu`,
-capped by ``RAGBLEND_CPU_ISA``) is ``avx512`` or above, and checks them before use on random
+The builds, widest first: at the ``avx512_bf16`` level the products and their pairwise sums
+are AVX512-BF16's ``vdpbf16ps`` on the bf16 values as they are (32 columns per instruction,
+half the work of widening), which treats bf16 subnormal inputs (below 2^-126) as zero and
+flushes subnormal results to zero, as oneDNN's bf16 kernel on such CPUs does; at ``avx512``
+the values widen to fp32 and sum in fp32 FMAs (exact products, subnormals kept). The two
+builds sum in different orders, so their outputs may differ by a flipped bf16 rounding; each
+build's rows are the same alone and batched.
+
+:func:`dense_kernel` builds the ops once per process and level, for the widest build the CPU
+level (:mod:`ragblend.cpu`, capped by ``RAGBLEND_CPU_ISA``) allows, ``avx512`` at least, and
+checks them before use on random
 data (n = 1, 3, 16; cols 576, 1536, 4096) against ``F.linear`` within :func:`tolerance` — one
 bf16 ulp, plus fp32's own rounding bound where the sum cancels — and each row alone against
-the same row batched, bit for bit. A failed build or check is one warning and None: decode
-linears then stay on oneDNN's one-row path (:mod:`ragblend.models.packed`).
+the same row batched, bit for bit. A wider build that fails to compile or check falls back to
+the next with one warning saying why; where the ``avx512`` build fails too, one warning and
+None: decode linears then stay on oneDNN's one-row path (:mod:`ragblend.models.packed`).
 """
 
 from __future__ import annotations
@@ -38,13 +48,33 @@ from ragblend.models.quant_kernels import CSRC, ensure_ninja
 
 log = logging.getLogger(__name__)
 
-LEVEL = "avx512"  # the CPU level the kernel needs
 MAX_ROWS = 16  # rows of x per call
 COLS_MULTIPLE = 32  # the kernel reads 32 bf16 weights (one cache line) at a time
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma") + (
     "-ffp-contract=off",
     "-fopenmp",
 )
+
+
+class Build(NamedTuple):
+    """One compiled variant of dense_bf16.cpp: the CPU level it needs, its op namespace."""
+
+    level: str
+    name: str
+    flags: tuple[str, ...]
+
+
+# widest first; dense_kernel() takes the first one the CPU level allows that builds and checks
+BUILDS: tuple[Build, ...] = (
+    Build(
+        "avx512_bf16",
+        "ragblend_dense_dpbf16",
+        (*FLAGS, "-mavx512bf16", "-DRAGBLEND_DENSE_DPBF16")
+        + ("-DRAGBLEND_DENSE_NS=ragblend_dense_dpbf16",),
+    ),
+    Build("avx512", "ragblend_dense", FLAGS),
+)
+LEVEL = BUILDS[-1].level  # the CPU level the kernel needs
 CHECK_SHAPES = ((1, 576), (3, 1536), (16, 4096))  # (n, cols) of the load-time check
 
 
@@ -57,25 +87,39 @@ class DenseKernel(NamedTuple):
     matmul_cat: Callable[
         [torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor | None]], torch.Tensor
     ]
+    level: str  # the CPU level of the build these are
 
 
-_BUILT: DenseKernel | str | None = None  # the kernel, or why not (built once per process)
+# build name -> its checked kernel, or why not (each build tried once per process)
+_BUILT: dict[str, DenseKernel | str] = {}
 
 
-def dense_kernel() -> DenseKernel | None:
-    """The checked kernel, built once per process; None below the ``avx512`` level (as
-    :func:`ragblend.cpu.cpu_isa` reads it now) or where the build or its check failed (one
-    warning per process says why)."""
-    global _BUILT
-    if not cpu.isa_at_least(LEVEL):
-        return None
-    if _BUILT is None:
-        try:
-            _BUILT = _build()
-        except Exception as exc:  # compiler missing or failing, or the check: the message says
-            log.warning("ragblend's native bf16 decode matmul is off: %s", exc)
-            _BUILT = str(exc)
-    return _BUILT if isinstance(_BUILT, DenseKernel) else None
+def dense_kernel(level: str | None = None) -> DenseKernel | None:
+    """The checked kernel of the widest build that ``level`` (default: the CPU level,
+    :func:`ragblend.cpu.cpu_isa`, as it reads now; never above it) allows, each build built
+    once per process; None below the ``avx512`` level or where every build allowed failed to
+    build or check (one warning per failed build and process says why)."""
+    if level is None or cpu.LEVELS.index(level) > cpu.LEVELS.index(cpu.cpu_isa()):
+        level = cpu.cpu_isa()
+    allowed = [b for b in BUILDS if cpu.LEVELS.index(b.level) <= cpu.LEVELS.index(level)]
+    for build in allowed:
+        if build.name not in _BUILT:
+            try:
+                _BUILT[build.name] = _build(build)
+            except Exception as exc:  # compiler missing or failing, or the check: it says
+                if build is BUILDS[-1]:
+                    log.warning("ragblend's native bf16 decode matmul is off: %s", exc)
+                else:
+                    log.warning(
+                        "ragblend's %s native bf16 decode matmul is off (%s); using the next build",
+                        build.level,
+                        exc,
+                    )
+                _BUILT[build.name] = str(exc)
+        built = _BUILT[build.name]
+        if isinstance(built, DenseKernel):
+            return built
+    return None
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -101,19 +145,19 @@ def tolerance(x: torch.Tensor, weight: torch.Tensor, got: torch.Tensor, want: to
     return ulp + (x.float().abs() @ weight.float().abs().T) * 2.0**-16
 
 
-def _build() -> DenseKernel:
+def _build(build: Build) -> DenseKernel:
     from torch.utils.cpp_extension import load
 
     ensure_ninja()
-    log.info("loading ragblend's native bf16 decode matmul (compiled once)")
+    log.info("loading ragblend's %s native bf16 decode matmul (compiled once)", build.level)
     load(
-        name="ragblend_dense",
+        name=build.name,
         sources=[str(CSRC / "dense_bf16.cpp")],
-        extra_cflags=list(FLAGS),
+        extra_cflags=list(build.flags),
         is_python_module=False,
     )
-    ops = torch.ops.ragblend_dense
-    kernel = DenseKernel(ops.matmul, ops.matmul_cat)
+    ops = getattr(torch.ops, build.name)
+    kernel = DenseKernel(ops.matmul, ops.matmul_cat, build.level)
     _check(kernel)
     return kernel
 

@@ -175,10 +175,11 @@ def pack_decode_linears(model: nn.Module) -> int:
         return 0
     if native is not None:
         log.info(
-            "bf16 decode steps: up to %d rows per call through ragblend's native kernel on %d "
-            "of %d linears (their weights in place, no copy); the others (columns no multiple "
-            "of %d): %s",
+            "bf16 decode steps: up to %d rows per call through ragblend's native kernel (%s "
+            "build) on %d of %d linears (their weights in place, no copy); the others "
+            "(columns no multiple of %d): %s",
             DECODE_ROWS,
+            native.level,
             len(linears) - len(reordered),
             len(linears),
             dense_decode.COLS_MULTIPLE,
