@@ -1,5 +1,6 @@
 """bf16 decode steps on ragblend's native dense kernel: F.linear's values to a bf16 ulp, each
-row the same in any batch, and models that decode as they do unpacked."""
+row the same in any batch (each build: fp32 FMAs at ``avx512``, vdpbf16ps at ``avx512_bf16``),
+the widest build the CPU level allows, and models that decode as they do unpacked."""
 
 from __future__ import annotations
 
@@ -25,10 +26,23 @@ SMOL = dict(hidden_size=192, intermediate_size=512, num_attention_heads=3, num_k
 
 
 @pytest.fixture(scope="module")
-def kernel() -> dense_decode.DenseKernel:
+def selected() -> dense_decode.DenseKernel:
+    """The build the CPU level selects (what packed decoding uses)."""
     built = dense_kernel()
     if built is None:
         pytest.skip("the native bf16 kernel did not build here (no compiler?): see the warning")
+    return built
+
+
+@pytest.fixture(scope="module", params=[b.level for b in dense_decode.BUILDS])
+def kernel(request) -> dense_decode.DenseKernel:
+    """Each build the CPU has the level for, in turn."""
+    level = request.param
+    if not cpu.isa_at_least(level):
+        pytest.skip(f"the {level} build needs CPU level {level}; this one is at {cpu.cpu_isa()}")
+    built = dense_kernel(level)
+    if built is None or built.level != level:
+        pytest.skip(f"the {level} build did not build or check here: see the warning")
     return built
 
 
@@ -96,7 +110,50 @@ def test_below_the_avx512_level_there_is_no_kernel(monkeypatch):
     assert dense_kernel() is None
 
 
-def test_a_packed_bf16_model_decodes_the_tokens_it_decodes_unpacked(kernel, tokenizer):
+def test_the_widest_build_the_cpu_level_allows_is_used(selected):
+    allowed = [b.level for b in dense_decode.BUILDS if cpu.isa_at_least(b.level)]
+    assert selected.level == allowed[0]
+
+
+def test_at_the_avx512_cap_the_fp32_build_is_used(selected, monkeypatch):
+    monkeypatch.setenv(cpu.ENV_CAP, "avx512")
+    capped = dense_kernel()
+    assert capped is not None and capped.level == "avx512"
+    x, weight, bias = _random(67, 576, 3, seed=5)
+    got = capped.matmul(x, weight, bias)
+    assert bool(((got.float() - F.linear(x, weight, bias).float()).abs() <= 1).all())
+
+
+def test_a_failing_wider_build_falls_back_to_the_next_with_one_warning(monkeypatch, caplog):
+    checked = dense_decode._check
+
+    def wrong_when_wide(kernel):
+        if kernel.level != dense_decode.LEVEL:
+            raise RuntimeError("matmul [1, 576] does not match F.linear within a bf16 ulp")
+        checked(kernel)
+
+    monkeypatch.setattr(dense_decode, "_BUILT", {})
+    monkeypatch.setattr(dense_decode, "_check", wrong_when_wide)
+    with caplog.at_level("WARNING", logger=dense_decode.__name__):
+        built = dense_kernel()
+        assert dense_kernel() is built  # each build tried once
+    assert built is not None and built.level == dense_decode.LEVEL
+    wide = [b for b in dense_decode.BUILDS[:-1] if cpu.isa_at_least(b.level)]
+    warnings = [r for r in caplog.records if r.name == dense_decode.__name__]
+    assert len(warnings) == len(wide)
+    assert all("does not match" in r.getMessage() for r in warnings)
+    assert all("using the next build" in r.getMessage() for r in warnings)
+
+
+def test_the_avx512_bf16_build_flushes_bf16_subnormals_the_fp32_build_keeps_them(kernel):
+    tiny = torch.full((1, 64), 2.0**-130).bfloat16()  # a bf16 (and fp32) subnormal
+    assert tiny[0, 0].item() == 2.0**-130
+    got = kernel.matmul(tiny, torch.ones(3, 64, dtype=torch.bfloat16), None)
+    want = 0.0 if kernel.level == "avx512_bf16" else 64 * 2.0**-130
+    assert got.float().tolist() == [[want] * 3]
+
+
+def test_a_packed_bf16_model_decodes_the_tokens_it_decodes_unpacked(selected, tokenizer):
     def answer(packed: bool) -> list[int]:
         model = tiny_model("llama", dtype=torch.bfloat16, **SMOL)
         engine = BlendEngine(model, tokenizer, BlendConfig(packed_decode=packed))
@@ -108,7 +165,7 @@ def test_a_packed_bf16_model_decodes_the_tokens_it_decodes_unpacked(kernel, toke
     assert len(packed) == 8 and packed == answer(False)
 
 
-def test_each_requests_logits_in_a_packed_bf16_batch_equal_its_logits_alone(kernel, tokenizer):
+def test_each_requests_logits_in_a_packed_bf16_batch_equal_its_logits_alone(selected, tokenizer):
     model = tiny_model("llama", dtype=torch.bfloat16, **SMOL)
     engine = BlendEngine(model, tokenizer, BlendConfig(dtype="bfloat16"))
     engine.prepare_decode()
