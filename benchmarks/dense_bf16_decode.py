@@ -3,7 +3,10 @@
 For SmolLM2-135M's weight shapes (random bf16 weights; q/k/v/o, gate/up/down and the 49k-row
 LM head) at n = 1, 4, 8 and 16 rows of x, the time per call of:
 
-- ``native``: :mod:`ragblend.models.dense_decode`'s ``matmul`` (each row the same in any batch);
+- ``native``: :mod:`ragblend.models.dense_decode`'s ``matmul`` (each row the same in any batch),
+  the build the CPU level selects (``avx512_bf16``: vdpbf16ps; the report's ``native_build``);
+- ``native_fp32``: the ``avx512`` build of the same kernel (bf16 widened, fp32 FMAs), where
+  that is not the selected build already;
 - ``onednn``: oneDNN's linear on the weight reordered for one row, as
   ``ragblend.models.packed`` packs bf16 without the native kernel
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``), all n rows in one call
@@ -43,13 +46,13 @@ SHAPES = {
     "lm_head": ((49152, 576), 1),
 }
 ROWS = (1, 4, 8, 16)
-METHODS = ("native", "onednn", "f_linear")
+METHODS = ("native", "native_fp32", "onednn", "f_linear")
 
 
 def cases() -> dict[tuple[str, int, str], Callable[[], object]]:
     """(shape, n, method) -> a call to time."""
-    kernel = dense_kernel()
-    if kernel is None:
+    kernel, fp32 = dense_kernel(), dense_kernel("avx512")
+    if kernel is None or fp32 is None:
         raise SystemExit("the native bf16 kernel does not run here (CPU level below avx512?)")
     gen = torch.Generator().manual_seed(0)
     out: dict[tuple[str, int, str], Callable[[], object]] = {}
@@ -59,6 +62,8 @@ def cases() -> dict[tuple[str, int, str], Callable[[], object]]:
         for n in ROWS:
             x = torch.randn(n, cols, generator=gen).bfloat16()
             out[name, n, "native"] = lambda x=x, w=weight: kernel.matmul(x, w, None)
+            if fp32 is not kernel:
+                out[name, n, "native_fp32"] = lambda x=x, w=weight: fp32.matmul(x, w, None)
             out[name, n, "onednn"] = lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
                 x, p, None, "none", [], ""
             )
@@ -95,6 +100,7 @@ def main() -> None:
         f"n={n}": {
             f"{m}_ms": round(sum(median[s, n, m] * k for s, (_, k) in SHAPES.items()) / 1e3, 3)
             for m in METHODS
+            if ("lm_head", n, m) in median
         }
         for n in ROWS
     }
@@ -109,6 +115,7 @@ def main() -> None:
         "repeats": args.repeats,
         "cpu": cpu.cpu_model(),
         "cpu_isa": cpu.cpu_isa(),
+        "native_build": getattr(dense_kernel(), "level", None),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "shapes": {name: list(shape) for name, (shape, _) in SHAPES.items()},
