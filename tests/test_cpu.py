@@ -108,6 +108,7 @@ def test_a_failing_onednn_reorder_leaves_the_model_unpacked_with_one_warning(
 
     monkeypatch.setattr(packing, "cpu_packs", lambda dtype: True)
     monkeypatch.setattr(packing, "_prepacked", refuse)
+    monkeypatch.setattr(packing, "native_bf16", lambda: None)  # oneDNN's bf16 path, then
     model = tiny_model("llama", dtype=torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="ragblend.models.packed"):
         assert packing.pack_decode_linears(model) == 0

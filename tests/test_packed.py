@@ -1,4 +1,7 @@
-"""One-row bf16 linears on prepacked oneDNN weights: identical outputs, only where they apply."""
+"""One-row bf16 linears on prepacked oneDNN weights: identical outputs, only where they apply.
+
+This is bf16's path where ragblend's native kernel does not run (below the avx512 level, or a
+failed build), so these tests turn the kernel off; tests/test_dense_decode.py tests it."""
 
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ pytestmark = pytest.mark.skipif(
     not cpu_packs(),
     reason=f"oneDNN packs bf16 weights with AVX512 or AVX-NE-CONVERT; CPU level {cpu.cpu_isa()}",
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_native_kernel(monkeypatch):
+    monkeypatch.setattr(packing, "native_bf16", lambda: None)
 
 
 def test_one_row_inputs_equal_f_linear_bit_for_bit_and_other_inputs_go_to_f_linear():

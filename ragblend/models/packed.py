@@ -5,10 +5,17 @@ CPU, ``F.linear`` reads the weights slowly for so few rows — for 2–16 rows i
 re-packs them on every call; the same oneDNN primitive with the weight reordered once for
 a small batch (what inductor's weight prepacking does) reads them up to 4× faster:
 
-- **bf16**, one-row inputs, weights reordered for a batch of one: bit-identical outputs to
-  ``F.linear`` in every shape measured (SmolLM2's seven projections and its 49k-row LM head).
-  oneDNN reorders bf16 weights only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
-  (:func:`ragblend.cpu.onednn_packs_bf16`).
+- **bf16** at the ``avx512`` CPU level and above: inputs of up to 16 rows go to ragblend's
+  native kernel (:mod:`ragblend.models.dense_decode`), which reads the module's own weight
+  once for all rows, in place, and gives each row the same output whatever the rows beside it
+  by construction (each row's fp32 sums run in a fixed order); its outputs are within a bf16
+  ulp of ``F.linear``'s (another fp32 summation order flips a rounding in ~1 value in 10^4).
+  Weights whose columns are no multiple of 32, and CPUs or builds where the kernel does not
+  run, take oneDNN's path below.
+- **bf16** through oneDNN, one-row inputs, weights reordered for a batch of one:
+  bit-identical outputs to ``F.linear`` in every shape measured (SmolLM2's seven projections
+  and its 49k-row LM head). oneDNN reorders bf16 weights only on CPUs with AVX512 (BW/VL/DQ)
+  or AVX-NE-CONVERT (:func:`ragblend.cpu.onednn_packs_bf16`).
 - **fp32**, inputs of up to 16 rows, weights reordered for a batch of 16: the same values as
   ``F.linear`` to fp32 rounding (another summation order), and each row's output the same
   whatever the number of rows beside it — so a request decoded in a batch gets what it gets
@@ -18,18 +25,22 @@ a small batch (what inductor's weight prepacking does) reads them up to 4× fast
   show any change of order) and a decode batch is cut into groups of the most rows that gave
   every row its one-row output — one row per call where none did.
 
-bf16 takes one row: its outputs are rounded to bf16, which hides a change of summation order
-in all but ~1 in 3000 values, so no affordable probe can show that a bf16 kernel keeps rows
-as they are alone.
+oneDNN's bf16 takes one row: its outputs are rounded to bf16, which hides a change of
+summation order in all but ~1 in 3000 values, so no affordable probe can show that a bf16
+kernel of oneDNN keeps rows as they are alone (the native kernel needs no probe).
 
 Linears that read the same input are fused — an attention's q/k/v, an MLP's gate/up — into
-one GEMM over their stacked weights (three calls fewer per layer and step). Everything else
-(prefill, more rows) goes to ``F.linear`` as before, so prefills are untouched.
+one call (three calls fewer per layer and step): oneDNN's GEMM over their stacked weights, or
+the native kernel's ``matmul_cat``, which reads each module's weight where it is and writes
+their outputs side by side. Everything else (prefill, more rows) goes to ``F.linear`` as
+before, so prefills are untouched.
 
-The reordered weights are a second copy of the linear weights, made when an engine first
+oneDNN's reordered weights are a second copy of the linear weights, made when an engine first
 decodes, and only where it fits: at most half the memory the system has available then
-(so a 7B model on a 24 GiB machine keeps one copy). ``BlendConfig(packed_decode=False)``
-never makes it. Where packing does not apply, one log line per model says why.
+(so a 7B model on a 24 GiB machine keeps one copy). The native bf16 kernel makes no copy (only
+the few weights it does not take are reordered, and counted). ``BlendConfig(packed_decode=
+False)`` never packs: every decode step then runs ``F.linear``. One log line per model says
+which path bf16 decode steps take, or why packing does not apply.
 """
 
 from __future__ import annotations
@@ -37,13 +48,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ragblend import cpu
+from ragblend.models import dense_decode
+from ragblend.models.dense_decode import DenseKernel
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +66,14 @@ _QKV = "_ragblend_packed_qkv"  # on an attention module: a decode step's x → (
 _QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 _GATE_UP_NAMES = ("gate_proj", "up_proj")
 
-Fused = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Fused(NamedTuple):
+    """A fused decode path: inputs of at most ``rows`` rows -> the linears' outputs."""
+
+    rows: int
+    call: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,7 @@ class _Plan:
 
 _PLANS = {torch.bfloat16: _Plan(rows=1, hint=1), torch.float32: _Plan(rows=16, hint=16)}
 DECODE_ROWS = _PLANS[torch.float32].rows  # the most requests one fp32 decode step packs for
+assert DECODE_ROWS == dense_decode.MAX_ROWS  # and one bf16 step on the native kernel
 # (out features, in features, dtype, bias) -> rows one call may take (see ``invariant_rows``)
 _probed: dict[tuple[int, int, torch.dtype, bool], int] = {}
 
@@ -97,15 +118,17 @@ def available_memory() -> int | None:
 
 
 def pack_decode_linears(model: nn.Module) -> int:
-    """Route decode-step inputs (bf16: one row; fp32: up to :data:`DECODE_ROWS` rows) of every
-    bf16 or fp32 CPU ``nn.Linear`` of ``model`` through a prepacked weight — q/k/v and
-    gate/up fused, the others one by one; returns how many linears were newly packed (0 where
-    it does not apply, and once ``model`` is packed or tried: then this returns at once). Where
-    oneDNN cannot pack (:func:`cpu_packs`, or a reorder that raises) or the second copy would
-    take more than half the available memory, nothing is packed and one log line per model
-    says why.
+    """Route decode-step inputs of every bf16 or fp32 CPU ``nn.Linear`` of ``model`` to a
+    faster path — bf16: up to :data:`DECODE_ROWS` rows to the native kernel where it runs
+    (:func:`native_bf16`), else one row to a prepacked weight; fp32: up to :data:`DECODE_ROWS`
+    rows to a prepacked weight — q/k/v and gate/up fused, the others one by one; returns how
+    many linears were newly packed (0 where it does not apply, and once ``model`` is packed or
+    tried: then this returns at once). Where neither path can run (no native kernel, and oneDNN
+    cannot pack: :func:`cpu_packs`, or a reorder that raises) or oneDNN's second copy would take
+    more than half the available memory, nothing is packed; one log line per model says why,
+    or which path bf16 decode steps take.
 
-    Fused linears get no prepacked copy of their own (that would be a third copy of their
+    Fused linears get no path of their own (oneDNN: that would be a third copy of their
     weights): their decode-step path is :func:`qkv_projections` and the MLP's ``forward``, which
     the layer-wise decoder uses; HF's own forward (decoding over a sliding-window cache) runs
     q/k/v unpacked.
@@ -118,17 +141,21 @@ def pack_decode_linears(model: nn.Module) -> int:
     setattr(model, _TRIED, True)
     dtype = linears[0].weight.dtype
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
-    if not available():
+    native = native_bf16() if dtype == torch.bfloat16 else None
+    # oneDNN reorders what the native kernel does not take (with it: only odd-sized weights)
+    reordered = [m for m in linears if native is None or not dense_decode.supports(m.weight)]
+    onednn = bool(reordered) and available() and cpu_packs(dtype)
+    if native is None and not available():
         log.info("decoding without prepacked %s weights: this torch has no oneDNN", name)
         return 0
-    if not cpu_packs(dtype):
+    if native is None and not cpu_packs(dtype):
         log.info(
             "decoding without prepacked bf16 weights: oneDNN packs them with AVX512 or "
             "AVX-NE-CONVERT, and this CPU is at level %s",
             cpu.cpu_isa(),
         )
         return 0
-    copy = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in reordered) if onednn else 0
     free = available_memory()
     if free is not None and 2 * copy > free:
         log.info(
@@ -140,23 +167,47 @@ def pack_decode_linears(model: nn.Module) -> int:
         )
         return 0
     try:
-        return _pack(model)
+        packed = _pack(model, native, onednn)
     except RuntimeError as exc:  # oneDNN's own check of the CPU, should ours be wrong
         unpack_decode_linears(model)
         setattr(model, _TRIED, True)
         log.warning("decoding without prepacked %s weights: oneDNN could not pack (%s)", name, exc)
         return 0
+    if native is not None:
+        log.info(
+            "bf16 decode steps: up to %d rows per call through ragblend's native kernel (%s "
+            "build) on %d of %d linears (their weights in place, no copy); the others "
+            "(columns no multiple of %d): %s",
+            DECODE_ROWS,
+            native.level,
+            len(linears) - len(reordered),
+            len(linears),
+            dense_decode.COLS_MULTIPLE,
+            "one row through oneDNN's prepacked weights" if onednn else "F.linear",
+        )
+    elif dtype == torch.bfloat16:
+        log.info(
+            "bf16 decode steps: one row per call through oneDNN's prepacked weights (no native "
+            "kernel at CPU level %s)",
+            cpu.cpu_isa(),
+        )
+    return packed
 
 
-def _pack(model: nn.Module) -> int:
+def native_bf16() -> DenseKernel | None:
+    """ragblend's native bf16 decode matmul where it runs here (:mod:`.dense_decode`)."""
+    return dense_decode.dense_kernel()
+
+
+def _pack(model: nn.Module, native: DenseKernel | None, onednn: bool) -> int:
     fused: set[int] = set()
     for module in model.modules():
-        qkv = _fused(module, _QKV_NAMES)
+        qkv = _fused(module, _QKV_NAMES, native, onednn)
         if qkv is not None:
             setattr(module, _QKV, qkv)
             fused.update(id(getattr(module, name)) for name in _QKV_NAMES)
         gated = callable(getattr(module, "act_fn", None))
-        gate_up = _fused(module, _GATE_UP_NAMES) if gated else None
+        gate_up = _fused(module, _GATE_UP_NAMES, native, onednn) if gated else None
         if gate_up is not None:
             module.forward = _decode_mlp(module, gate_up)
             setattr(module, _ATTR, True)
@@ -165,7 +216,10 @@ def _pack(model: nn.Module) -> int:
     for module in model.modules():
         if not _packable(module) or id(module) in fused or getattr(module, _ATTR, False):
             continue
-        module.forward = _decode_forward(module)  # type: ignore[method-assign,assignment]
+        forward = _decode_forward(module, native, onednn)
+        if forward is None:
+            continue
+        module.forward = forward  # type: ignore[method-assign,assignment]
         setattr(module, _ATTR, True)
         packed += 1
     setattr(model, _ATTR, True)
@@ -188,11 +242,11 @@ def unpack_decode_linears(model: nn.Module) -> None:
 
 
 def qkv_projections(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)``: one fused GEMM for a packed
+    """``attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)``: one fused call for a packed
     model's decode-step input, the three modules otherwise."""
     fused: Fused | None = vars(attn).get(_QKV)
-    if fused is not None and _decode_rows(x):
-        return fused(x)
+    if fused is not None and _decode_rows(x, fused.rows):
+        return fused.call(x)
     mods: Any = attn
     return mods.q_proj(x), mods.k_proj(x), mods.v_proj(x)
 
@@ -205,10 +259,25 @@ def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
     )
 
 
-def _decode_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a decode step's input: rows the prepacked weights take, no grad."""
-    plan = _PLANS.get(x.dtype)
-    return plan is not None and x.numel() <= plan.rows * x.shape[-1] and not x.requires_grad
+def _decode_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether ``x`` is a decode step's input: at most ``rows`` rows, no grad."""
+    return x.numel() <= rows * x.shape[-1] and not x.requires_grad
+
+
+def _native(
+    native: DenseKernel, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> Linear:
+    """``F.linear`` of a decode step's ``x`` (``[..., cols]``, at most 16 rows) on each of
+    ``weights`` (the modules' own tensors, detached: no copy), outputs side by side."""
+    ws = [w.detach() for w in weights]
+    bs = [None if b is None else b.detach() for b in biases]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = native.matmul(flat, ws[0], bs[0]) if len(ws) == 1 else native.matmul_cat(flat, ws, bs)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return call
 
 
 def _prepacked(
@@ -263,19 +332,34 @@ def invariant_rows(
     return limit
 
 
-def _decode_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _decode_forward(
+    module: nn.Linear, native: DenseKernel | None, onednn: bool
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``module``'s forward with a decode step's rows on the native kernel (bf16 weights it
+    takes) or oneDNN's prepacked weight; None where neither applies."""
     weight, bias = module.weight, module.bias
-    packed = _prepacked(weight, bias)
+    if native is not None and dense_decode.supports(weight):
+        packed, rows = _native(native, [weight], [bias]), DECODE_ROWS
+    elif onednn:
+        packed, rows = _prepacked(weight, bias), _PLANS[weight.dtype].rows
+    else:
+        return None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return packed(x) if _decode_rows(x) else F.linear(x, weight, bias)
+        if _decode_rows(x, rows) and x.dtype == weight.dtype:
+            return packed(x)
+        return F.linear(x, weight, bias)
 
     return forward
 
 
-def _fused(module: nn.Module, names: Sequence[str]) -> Fused | None:
-    """One prepacked GEMM over the stacked weights of ``module``'s linears ``names`` (same
-    input size, all with or all without bias), split back into their outputs; or None."""
+def _fused(
+    module: nn.Module, names: Sequence[str], native: DenseKernel | None, onednn: bool
+) -> Fused | None:
+    """One call for ``module``'s linears ``names`` (same input size, all with or all without
+    bias) on a decode step's input, their outputs split back; or None. The native kernel reads
+    the weights where they are (``matmul_cat``: one call, no stacked copy); oneDNN runs one GEMM
+    over their stacked, prepacked weights."""
     linears = [getattr(module, name, None) for name in names]
     if not all(lin is not None and _packable(lin) for lin in linears):
         return None
@@ -283,16 +367,17 @@ def _fused(module: nn.Module, names: Sequence[str]) -> Fused | None:
     with_bias = [lin.bias is not None for lin in layers]
     if len({lin.in_features for lin in layers}) != 1 or len(set(with_bias)) != 1:
         return None
+    sizes = [lin.out_features for lin in layers]
+    if native is not None and all(dense_decode.supports(lin.weight) for lin in layers):
+        both = _native(native, [lin.weight for lin in layers], [lin.bias for lin in layers])
+        return Fused(DECODE_ROWS, lambda x: both(x).split(sizes, dim=-1))
+    if not onednn:
+        return None
     with torch.no_grad():
         stacked = torch.cat([lin.weight.detach() for lin in layers])
         bias = torch.cat([lin.bias.detach() for lin in layers]) if with_bias[0] else None
     packed = _prepacked(stacked, bias)
-    sizes = [lin.out_features for lin in layers]
-
-    def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return packed(x).split(sizes, dim=-1)
-
-    return forward
+    return Fused(_PLANS[stacked.dtype].rows, lambda x: packed(x).split(sizes, dim=-1))
 
 
 def _decode_mlp(mlp: nn.Module, gate_up: Fused) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -301,9 +386,9 @@ def _decode_mlp(mlp: nn.Module, gate_up: Fused) -> Callable[[torch.Tensor], torc
     own = type(mlp).forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _decode_rows(x):
+        if not _decode_rows(x, gate_up.rows):
             return own(mlp, x)
-        gate, up = gate_up(x)
+        gate, up = gate_up.call(x)
         return mods.down_proj(mods.act_fn(gate) * up)
 
     return forward

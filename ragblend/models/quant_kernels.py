@@ -166,15 +166,20 @@ def _first_build() -> QuantKernels | str:
     raise AssertionError("unreachable: the last build is the least level")
 
 
-def _build(build: Build) -> QuantKernels:
-    from torch.utils.cpp_extension import load
-
+def ensure_ninja() -> None:
+    """Put the ninja wheel's binary on PATH where no ``ninja`` is: torch's extension builds
+    run it from PATH, and the wheel installs it beside this interpreter, which is not on PATH
+    when the venv is used without activating it."""
     if shutil.which("ninja") is None:
-        # torch runs `ninja` from PATH; the ninja wheel installs it beside this interpreter,
-        # which is not on PATH when the venv is used without activating it
         import ninja
 
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _build(build: Build) -> QuantKernels:
+    from torch.utils.cpp_extension import load
+
+    ensure_ninja()
     log.info("loading ragblend's %s quantized-weight kernels (compiled once)", build.level)
     load(
         name=build.name,
