@@ -56,7 +56,14 @@ constexpr int64_t kMaxRows = 16;  // rows of x per matmul call
 constexpr int64_t kChunk = 8;     // rows of x whose accumulators stay in registers together
 constexpr int64_t kRowTile = 4;   // weight rows that share x's columns while they are in L1
 constexpr int64_t kMatmulTask = 64;  // weight rows per task (a multiple of kRowTile)
-constexpr int64_t kGroup = 256;   // weights decoded together: one K block, or 8 small blocks
+#ifdef RAGBLEND_QUANT_512
+// columns per call of the inner loop: 4 K blocks, so that its fixed cost (a weight row's
+// accumulators loaded and stored, the tile dispatch) is spread over 32 spans; x's group of
+// 8 rows (32 KiB) stays in L1
+constexpr int64_t kGroup = 1024;
+#else
+constexpr int64_t kGroup = 256;  // weights decoded together: one K block, or 8 small blocks
+#endif
 constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
 
 // f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>)
@@ -322,7 +329,7 @@ inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
 }
 
 
-// x [n, cols] repacked by groups of 256 columns, [groups][n][256] (a short last group
+// x [n, cols] repacked by groups of kGroup columns, [groups][n][kGroup] (a short last group
 // zero-padded), so that one group of all n rows is contiguous.
 template <class T>
 std::vector<float> pack_x(const float* x, int64_t n, int64_t cols) {
