@@ -520,8 +520,9 @@ class BlendEngine:
     @property
     def decode_path(self) -> str:
         """What a decode step's linears read: ``"q4_1-native"`` (quantized blocks, the model's
-        most common type), ``"fp32-packed"`` / ``"bf16-packed"`` (oneDNN-prepacked weights,
-        once a decode has packed them) or the plain dtype (``"fp32"``)."""
+        most common type), ``"fp32-packed"`` / ``"bf16-packed"`` (once a decode has packed the
+        linears: fp32 on oneDNN-prepacked weights, bf16 on the native bf16 matmul or oneDNN's
+        one-row path, :mod:`ragblend.models.packed`) or the plain dtype (``"fp32"``)."""
         quantized = decode_path(self.model)
         if quantized is not None:
             return quantized
