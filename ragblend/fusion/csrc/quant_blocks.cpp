@@ -193,21 +193,25 @@ struct Q8_0 {  // q * d
   }
 };
 
-// Q4_K and Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes (ggml's unpacking);
-// sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as gguf's.
+// Q4_K and Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes q (ggml's
+// unpacking); sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as
+// gguf's. The unpacking is two byte shuffles of the block's first 16 bytes (d, dmin, q) into
+// [scale 0..7 | min 0..7]. j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4: scale
+// (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. The 16-bit
+// shifts spill bits between bytes only where the masks drop them.
 inline void k_scales(const uint8_t* b, float* sc, float* mn) {
-  uint32_t u[4];
-  std::memcpy(u, b + 4, 12);
-  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
-  const uint32_t mins = u[1] & m6;                         // mins 0..3
-  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);          // scales 4..7
-  u[2] = mins;
-  u[0] &= m6;  // scales 0..3
-  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(u))));
-  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(u + 2))));
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i low = _mm_shuffle_epi8(a, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                        12, 13, 14, 15));
+  const __m128i m6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i min47 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+  const __m128i lo = _mm_and_si128(_mm_blendv_epi8(low, _mm_srli_epi16(low, 4), min47), m6);
+  const __m128i top = _mm_shuffle_epi8(a, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1,
+                                                        8, 9, 10, 11));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+  const __m128i k = _mm_or_si128(lo, hi);
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(k, 8)));
   _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b) * kQ), s));
   _mm256_storeu_ps(mn, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), m),
                                      _mm256_set1_ps(-0.0f)));
