@@ -23,9 +23,9 @@
 // all n rows. The AVX2 build, per span, sums x * q in 8 lanes and scales that once
 // (sc * sum(x q)); a minimum adds mn * sum(x), x's sums over each 32 columns computed once per
 // call. Each (x row, weight row) pair has its own 8-lane accumulator that runs over the columns
-// in order (in registers for up to 8 rows of x at a time) and is summed across lanes in a fixed
-// order at the end, so a row's output is the same bit for bit whatever n and however the
-// weight rows are split between threads.
+// in order (in registers for up to 8 rows of x at a time, or for 4 weight rows at a time when
+// x has one row) and is summed across lanes in a fixed order at the end, so a row's output is
+// the same bit for bit whatever n and however the weight rows are split between threads.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
@@ -61,8 +61,15 @@ constexpr int64_t kMatmulTask = 64;  // weight rows per task (a multiple of kRow
 // accumulators loaded and stored, the tile dispatch) is spread over 32 spans; x's group of
 // 8 rows (32 KiB) stays in L1
 constexpr int64_t kGroup = 1024;
+template <class T>
+constexpr int64_t kGroupOf = kGroup;
 #else
-constexpr int64_t kGroup = 256;  // weights decoded together: one K block, or 8 small blocks
+constexpr int64_t kGroup = 1024;
+// columns per call of the inner loop, per type: Q4_K and Q5_K 4 blocks (1024), spreading its
+// fixed cost over 32 spans (1.03-1.1x at one row); Q6_K and the small types are as fast or
+// faster with one K block or 8 small blocks (256)
+template <class T>
+constexpr int64_t kGroupOf = T::kElems == 256 && T::kSpan == 32 ? 1024 : 256;
 #endif
 constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
 
@@ -193,21 +200,25 @@ struct Q8_0 {  // q * d
   }
 };
 
-// Q4_K and Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes (ggml's unpacking);
-// sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as gguf's.
+// Q4_K and Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes q (ggml's
+// unpacking); sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as
+// gguf's. The unpacking is two byte shuffles of the block's first 16 bytes (d, dmin, q) into
+// [scale 0..7 | min 0..7]. j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4: scale
+// (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. The 16-bit
+// shifts spill bits between bytes only where the masks drop them.
 inline void k_scales(const uint8_t* b, float* sc, float* mn) {
-  uint32_t u[4];
-  std::memcpy(u, b + 4, 12);
-  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
-  const uint32_t mins = u[1] & m6;                         // mins 0..3
-  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);          // scales 4..7
-  u[2] = mins;
-  u[0] &= m6;  // scales 0..3
-  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(u))));
-  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(u + 2))));
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i low = _mm_shuffle_epi8(a, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                        12, 13, 14, 15));
+  const __m128i m6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i min47 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+  const __m128i lo = _mm_and_si128(_mm_blendv_epi8(low, _mm_srli_epi16(low, 4), min47), m6);
+  const __m128i top = _mm_shuffle_epi8(a, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1,
+                                                        8, 9, 10, 11));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+  const __m128i k = _mm_or_si128(lo, hi);
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(k, 8)));
   _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b) * kQ), s));
   _mm256_storeu_ps(mn, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), m),
                                      _mm256_set1_ps(-0.0f)));
@@ -329,10 +340,11 @@ inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
 }
 
 
-// x [n, cols] repacked by groups of kGroup columns, [groups][n][kGroup] (a short last group
-// zero-padded), so that one group of all n rows is contiguous.
+// x [n, cols] repacked by groups of kGroupOf<T> columns, [groups][n][kGroupOf<T>] (a short
+// last group zero-padded), so that one group of all n rows is contiguous.
 template <class T>
 std::vector<float> pack_x(const float* x, int64_t n, int64_t cols) {
+  constexpr int64_t kGroup = kGroupOf<T>;
   const int64_t groups = (cols + kGroup - 1) / kGroup;
   std::vector<float> packed(groups * n * kGroup, 0.0f);
   for (int64_t g = 0; g < groups; ++g)
@@ -622,15 +634,16 @@ inline Acc acc_zero() { return _mm256_setzero_ps(); }
 inline float acc_sum(__m256 v) { return hsum(v); }
 
 // x's sums that an offset multiplies, per 32 columns, [groups][n][kXs]: K types one float
-// per 32 columns (8 per group), small types with an offset 8 lanes per 32 columns (64 per
-// group).
+// per 32 columns (kGroupOf<T> / 32 per group), small types with an offset 8 lanes per 32
+// columns.
 template <class T>
-constexpr int64_t kXs = T::kElems == 32 ? 64 : 8;
+constexpr int64_t kXs = T::kElems == 32 ? kGroupOf<T> / 4 : kGroupOf<T> / 32;
 
 template <class T>
 std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
   if constexpr (!T::kMin) return {};
-  const int64_t groups = (cols + kGroup - 1) / kGroup;
+  constexpr int64_t kPer = kGroupOf<T> / 32;  // spans of 32 columns per group
+  const int64_t groups = (cols + kGroupOf<T> - 1) / kGroupOf<T>;
   std::vector<float> sums(groups * n * kXs<T>, 0.0f);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t u = 0; u < cols / 32; ++u) {
@@ -638,16 +651,72 @@ std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
       const __m256 s01 = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
       const __m256 s23 = _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
       const __m256 s = _mm256_add_ps(s01, s23);
-      float* dst = sums.data() + (u / 8 * n + i) * kXs<T>;
+      float* dst = sums.data() + (u / kPer * n + i) * kXs<T>;
       if constexpr (T::kElems == 32)
-        _mm256_storeu_ps(dst + 8 * (u % 8), s);
+        _mm256_storeu_ps(dst + 8 * (u % kPer), s);
       else
-        dst[u % 8] = hsum(s);
+        dst[u % kPer] = hsum(s);
     }
   return sums;
 }
 
-// G rows of x (x [G][256], one group packed) against the group's `nb` blocks of one weight
+// R weight rows (their nb blocks from src[r], scales sc[r], mn[r]) by G rows of x
+// (x [G][kGroupOf<T>], one group packed; xs [G][kXs], its sums): acc[r][g] += their dot
+// products, in 8 lanes, the same sums as dot_group's. R > 1 shares each x load between R rows
+// and keeps R G independent chains of adds in flight.
+template <class T, int R, int G>
+void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
+              const float* const* mn, const float* x, const float* xs, Acc (*acc)[kMaxRows]) {
+  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  __m256 a[R][G];
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { a[r][g] = acc[r][g]; });
+  });
+  for (int64_t b = 0; b < nb; ++b) {
+    unroll<T::kElems / 32>([&](auto U) RAGBLEND_INLINE_LAMBDA {
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+        __m256 q[4];
+        quants<T, U>(src[r] + b * T::kBytes, q);
+        const float* s = sc[r] + b * kSc;
+        unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+          const float* xp = x + g * kGroupOf<T> + b * T::kElems + 32 * U;
+          if constexpr (T::kSpan == 32) {
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), q[2], t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
+            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + U), t, a[r][g]);
+          } else {
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
+            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * U), t, a[r][g]);
+            t = _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
+            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * U + 1), t, a[r][g]);
+          }
+        });
+      });
+    });
+    if constexpr (T::kMin) {
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+        unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+          const float* xsp = xs + g * kXs<T>;
+          if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
+            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(mn[r] + b), _mm256_loadu_ps(xsp + 8 * b),
+                                      a[r][g]);
+          else  // 8 offsets times x's 8 sums
+            a[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r] + b * kMn),
+                                      _mm256_loadu_ps(xsp + b * kMn), a[r][g]);
+        });
+      });
+    }
+  }
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { acc[r][g] = a[r][g]; });
+  });
+}
+
+// G rows of x (x [G][kGroupOf<T>], one group packed) against the group's `nb` blocks of one weight
 // row (src), whose scales are sc, mn: acc[0..G) += their dot products, in 8 lanes. xs: the
 // group's sums of x, [G][kXs].
 template <class T, int G>
@@ -662,7 +731,7 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
       __m256 q[4];
       quants<T, U>(blk, q);
       for (int g = 0; g < G; ++g) {
-        const float* xp = x + g * kGroup + b * T::kElems + 32 * U;
+        const float* xp = x + g * kGroupOf<T> + b * T::kElems + 32 * U;
         if constexpr (T::kSpan == 32) {
           __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
           t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
@@ -685,7 +754,8 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
         if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
           a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(mn + b), _mm256_loadu_ps(xsp + 8 * b), a[g]);
         else  // 8 offsets times x's 8 sums
-          a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp), a[g]);
+          a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp + b * kMn),
+                                 a[g]);
       }
     }
   }
@@ -712,10 +782,17 @@ template <class T>
 void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
                  const float* xs, const float* bias, int64_t rows, int64_t r0, int64_t r1,
                  float* out) {
-  constexpr int64_t per_group = kGroup / T::kElems;
+  constexpr int64_t per_group = kGroupOf<T> / T::kElems;
   constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
-  alignas(32) float sc[per_group * kSc], mn[per_group * kMn];
+  // a lone row of x takes kRowTile weight rows at a time (dot_tile), but for Q6_K, which is
+  // faster a row at a time
+  constexpr bool kTiled = !std::is_same_v<T, Q6_K>;
+  alignas(32) float sc[kRowTile][per_group * kSc], mn[kRowTile][per_group * kMn];
   alignas(64) Acc acc[kRowTile][kMaxRows];
+  const uint8_t* src[kRowTile];
+  const float* scp[kRowTile];
+  const float* mnp[kRowTile];
+  for (int64_t r = 0; r < kRowTile; ++r) scp[r] = sc[r], mnp[r] = mn[r];
   const int64_t blocks = cols / T::kElems;
   TilePrefetch ahead(w, row_bytes, r0, r1);
   for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
@@ -725,14 +802,26 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
     ahead.start(t0, tile);
     for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
       const int64_t nb = std::min(per_group, blocks - b0);
-      for (int64_t r = 0; r < tile; ++r) {
-        const uint8_t* src = w + (t0 + r) * row_bytes + b0 * T::kBytes;
+      const float* xg = x + g * n * kGroupOf<T>;
+      const float* xsg = T::kMin ? xs + g * n * kXs<T> : nullptr;
+      if (kTiled && n == 1 && tile == kRowTile) {
+        for (int64_t r = 0; r < tile; ++r) {
+          src[r] = w + (t0 + r) * row_bytes + b0 * T::kBytes;
+          ahead.step(per_group * T::kBytes);
+          for (int64_t b = 0; b < nb; ++b)
+            T::scales(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
+        }
+        dot_tile<T, kRowTile, 1>(src, nb, scp, mnp, xg, xsg, acc);
+        continue;
+      }
+      for (int64_t r = 0; r < tile; ++r) {  // a row at a time, its scales while it is in L1
+        const uint8_t* s = w + (t0 + r) * row_bytes + b0 * T::kBytes;
         ahead.step(per_group * T::kBytes);
         for (int64_t b = 0; b < nb; ++b)
-          T::scales(src + b * T::kBytes, sc + b * kSc, mn + b * kMn);
+          T::scales(s + b * T::kBytes, sc[0] + b * kSc, mn[0] + b * kMn);
         for (int64_t i0 = 0; i0 < n; i0 += kChunk)
-          dot_chunk<T>(std::min(kChunk, n - i0), src, nb, sc, mn, x + (g * n + i0) * kGroup,
-                       T::kMin ? xs + (g * n + i0) * kXs<T> : nullptr, acc[r] + i0);
+          dot_chunk<T>(std::min(kChunk, n - i0), s, nb, sc[0], mn[0], xg + i0 * kGroupOf<T>,
+                       T::kMin ? xsg + i0 * kXs<T> : nullptr, acc[r] + i0);
       }
     }
     for (int64_t r = 0; r < tile; ++r)
