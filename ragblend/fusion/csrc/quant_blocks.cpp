@@ -64,7 +64,6 @@ constexpr int64_t kGroup = 1024;
 template <class T>
 constexpr int64_t kGroupOf = kGroup;
 #else
-constexpr int64_t kGroup = 1024;
 // columns per call of the inner loop, per type: Q4_K and Q5_K 4 blocks (1024), spreading its
 // fixed cost over 32 spans (1.03-1.1x at one row); Q6_K and the small types are as fast or
 // faster with one K block or 8 small blocks (256)
@@ -201,13 +200,11 @@ struct Q8_0 {  // q * d
 };
 
 // Q4_K and Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes q (ggml's
-// unpacking); sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as
-// gguf's. The unpacking is two byte shuffles of the block's first 16 bytes (d, dmin, q) into
+// unpacking), from the block's first 16 bytes a (d, dmin, q) by two byte shuffles into
 // [scale 0..7 | min 0..7]. j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4: scale
 // (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. The 16-bit
 // shifts spill bits between bytes only where the masks drop them.
-inline void k_scales(const uint8_t* b, float* sc, float* mn) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+inline __m128i k_scale_bytes(__m128i a) {
   const __m128i low = _mm_shuffle_epi8(a, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
                                                         12, 13, 14, 15));
   const __m128i m6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
@@ -216,7 +213,12 @@ inline void k_scales(const uint8_t* b, float* sc, float* mn) {
   const __m128i top = _mm_shuffle_epi8(a, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1,
                                                         8, 9, 10, 11));
   const __m128i hi = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
-  const __m128i k = _mm_or_si128(lo, hi);
+  return _mm_or_si128(lo, hi);
+}
+
+// sc_j = (d * scale_j) * 2^-24 and mn_j = -(dmin * min_j), each product rounded as gguf's.
+inline void k_scales(const uint8_t* b, float* sc, float* mn) {
+  const __m128i k = k_scale_bytes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
   const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k));
   const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(k, 8)));
   _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b) * kQ), s));
@@ -418,20 +420,11 @@ inline __m512 scaled_int8(__m128i q, float sc) {
 }
 
 // A Q4_K or Q5_K block's 8 scales sc_j = d * scale_j and offsets mn_j = -(dmin * min_j), the
-// products gguf rounds, from its first 16 bytes at once: k_scales' unpacking as two byte
-// shuffles of (d, dmin, 12 packed bytes q) into [scale 0..7 | min 0..7]. j < 4: scale q[j] & 63,
-// min q[j + 4] & 63; j >= 4: scale (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 |
-// (q[j] >> 6) << 4. The 16-bit shifts spill bits between bytes only where the masks drop them.
+// products gguf rounds, in one 16-lane multiply (k_scale_bytes' unpacking; no 2^-24 round
+// trip).
 RAGBLEND_INLINE void k_scales512(const uint8_t* b, float* sc, float* mn) {
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  const __m128i low = _mm_shuffle_epi8(a, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
-                                                        12, 13, 14, 15));
-  const __m128i m6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-  const __m128i lo = _mm_and_si128(_mm_mask_blend_epi8(0xF000, low, _mm_srli_epi16(low, 4)), m6);
-  const __m128i top = _mm_shuffle_epi8(a, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1,
-                                                        8, 9, 10, 11));
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
-  const __m512 k = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, hi)));
+  const __m512 k = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k_scale_bytes(a)));
   const __m512 dd = _mm512_permutexvar_ps(  // d in lanes 0..7, dmin in 8..15
       _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
       _mm512_castps128_ps512(_mm_cvtph_ps(a)));
@@ -660,14 +653,45 @@ std::vector<float> x_sums(const float* x, int64_t n, int64_t cols) {
   return sums;
 }
 
+// One pair's span U of a block: a += sc * sum(x q) per span of the scales s (the block's),
+// x q in 8 lanes in column order (xp: x's 32 columns; q: quants<T, U>'s).
+template <class T, int U>
+RAGBLEND_INLINE void span_dot(const __m256* q, const float* xp, const float* s, __m256& a) {
+  if constexpr (T::kSpan == 32) {
+    __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), q[2], t);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
+    a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + U), t, a);
+  } else {
+    __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
+    a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * U), t, a);
+    t = _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
+    a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * U + 1), t, a);
+  }
+}
+
+// One pair's offsets of block b (types with a minimum): a += mn * x's sums (xsp: the x row's
+// sums in its group, mn: the weight row's offsets).
+template <class T>
+RAGBLEND_INLINE void block_min(const float* mn, int64_t b, const float* xsp, __m256& a) {
+  constexpr int kMn = T::kElems / 32;
+  if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
+    a = _mm256_fmadd_ps(_mm256_broadcast_ss(mn + b), _mm256_loadu_ps(xsp + 8 * b), a);
+  else  // 8 offsets times x's 8 sums
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp + b * kMn), a);
+}
+
 // R weight rows (their nb blocks from src[r], scales sc[r], mn[r]) by G rows of x
 // (x [G][kGroupOf<T>], one group packed; xs [G][kXs], its sums): acc[r][g] += their dot
-// products, in 8 lanes, the same sums as dot_group's. R > 1 shares each x load between R rows
-// and keeps R G independent chains of adds in flight.
+// products, in 8 lanes, the same sums as dot_group's (span_dot, block_min). R > 1 shares each
+// x load between R rows and keeps R G independent chains of adds in flight.
 template <class T, int R, int G>
 void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
               const float* const* mn, const float* x, const float* xs, Acc (*acc)[kMaxRows]) {
-  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  constexpr int kSc = T::kElems / T::kSpan;
   __m256 a[R][G];
   unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
     unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { a[r][g] = acc[r][g]; });
@@ -679,34 +703,14 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
         quants<T, U>(src[r] + b * T::kBytes, q);
         const float* s = sc[r] + b * kSc;
         unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-          const float* xp = x + g * kGroupOf<T> + b * T::kElems + 32 * U;
-          if constexpr (T::kSpan == 32) {
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), q[2], t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
-            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + U), t, a[r][g]);
-          } else {
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
-            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * U), t, a[r][g]);
-            t = _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
-            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * U + 1), t, a[r][g]);
-          }
+          span_dot<T, U>(q, x + g * kGroupOf<T> + b * T::kElems + 32 * U, s, a[r][g]);
         });
       });
     });
     if constexpr (T::kMin) {
       unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
         unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-          const float* xsp = xs + g * kXs<T>;
-          if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
-            a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(mn[r] + b), _mm256_loadu_ps(xsp + 8 * b),
-                                      a[r][g]);
-          else  // 8 offsets times x's 8 sums
-            a[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r] + b * kMn),
-                                      _mm256_loadu_ps(xsp + b * kMn), a[r][g]);
+          block_min<T>(mn[r], b, xs + g * kXs<T>, a[r][g]);
         });
       });
     }
@@ -722,7 +726,7 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
 template <class T, int G>
 void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn, const float* x,
                const float* xs, Acc* acc) {
-  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  constexpr int kSc = T::kElems / T::kSpan;
   __m256 a[G];
   for (int g = 0; g < G; ++g) a[g] = acc[g];
   for (int64_t b = 0; b < nb; ++b) {
@@ -730,34 +734,11 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
     unroll<T::kElems / 32>([&](auto U) {
       __m256 q[4];
       quants<T, U>(blk, q);
-      for (int g = 0; g < G; ++g) {
-        const float* xp = x + g * kGroupOf<T> + b * T::kElems + 32 * U;
-        if constexpr (T::kSpan == 32) {
-          __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
-          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
-          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), q[2], t);
-          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
-          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b * kSc + U), t, a[g]);
-        } else {
-          __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
-          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
-          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b * kSc + 2 * U), t, a[g]);
-          t = _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]);
-          t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
-          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b * kSc + 2 * U + 1), t, a[g]);
-        }
-      }
+      for (int g = 0; g < G; ++g)
+        span_dot<T, U>(q, x + g * kGroupOf<T> + b * T::kElems + 32 * U, sc + b * kSc, a[g]);
     });
-    if constexpr (T::kMin) {
-      for (int g = 0; g < G; ++g) {
-        const float* xsp = xs + g * kXs<T>;
-        if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
-          a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(mn + b), _mm256_loadu_ps(xsp + 8 * b), a[g]);
-        else  // 8 offsets times x's 8 sums
-          a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp + b * kMn),
-                                 a[g]);
-      }
-    }
+    if constexpr (T::kMin)
+      for (int g = 0; g < G; ++g) block_min<T>(mn, b, xs + g * kXs<T>, a[g]);
   }
   for (int g = 0; g < G; ++g) acc[g] = a[g];
 }
