@@ -44,6 +44,8 @@
 #include <utility>
 #include <vector>
 
+#include "unroll.h"
+
 namespace {
 
 constexpr int64_t kMaxRows = 16;  // rows of x per call
@@ -71,19 +73,7 @@ static_assert(kTask % kRowTile == 0);
 
 using Acc = __m512;
 
-#define RAGBLEND_INLINE inline __attribute__((always_inline))
-#define RAGBLEND_INLINE_LAMBDA __attribute__((always_inline))  // a lambda's, after its ()
-
-// f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>), inlined: the
-// accumulators of a tile must stay in registers
-template <class F, int... I>
-RAGBLEND_INLINE void unroll_impl(F& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, class F>
-RAGBLEND_INLINE void unroll(F&& f) {
-  unroll_impl(f, std::make_integer_sequence<int, N>{});
-}
+using ragblend::unroll;
 
 inline float widen1(uint16_t b) {
   const uint32_t u = uint32_t{b} << 16;

@@ -45,6 +45,8 @@
 #include <utility>
 #include <vector>
 
+#include "unroll.h"
+
 // The op namespace: ragblend_quant for the AVX2 build, another for a wider one (its -D flag).
 #ifndef RAGBLEND_QUANT_NS
 #define RAGBLEND_QUANT_NS ragblend_quant
@@ -72,17 +74,7 @@ constexpr int64_t kGroupOf = T::kElems == 256 && T::kSpan == 32 ? 1024 : 256;
 #endif
 constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
 
-// f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>)
-#define RAGBLEND_INLINE inline __attribute__((always_inline))
-#define RAGBLEND_INLINE_LAMBDA __attribute__((always_inline))  // a lambda's, after its ()
-template <class F, int... I>
-RAGBLEND_INLINE void unroll_impl(F& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, class F>
-RAGBLEND_INLINE void unroll(F&& f) {
-  unroll_impl(f, std::make_integer_sequence<int, N>{});
-}
+using ragblend::unroll;
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
