@@ -27,23 +27,20 @@ CPU that could run them cannot build them (no C++ compiler); ``"native"`` raises
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, NamedTuple, get_args
 
 import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
+from ragblend.extensions import load_ops
 
 log = logging.getLogger(__name__)
 
 RowAttention = Literal["auto", "native", "sdpa"]
 ROW_ATTENTION: tuple[str, ...] = get_args(RowAttention)
-CSRC = Path(__file__).with_name("csrc")
 
 
 @dataclass(frozen=True)
@@ -182,27 +179,12 @@ _WARNED: set[str] = set()
 
 
 def _compiled(dtype: torch.dtype) -> NativeKernels:
-    from torch.utils.cpp_extension import load
-
-    if shutil.which("ninja") is None:
-        # torch runs `ninja` from PATH; the ninja wheel (a dependency) installs it beside this
-        # interpreter, which is not on PATH when the venv is used without activating it
-        import ninja
-
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
     build = BUILDS[dtype]
     log.info("loading ragblend's native %s kernels (compiled once per machine)", dtype)
     try:
-        load(
-            name=build.name,
-            sources=[str(CSRC / name) for name in build.sources],
-            extra_cflags=list(build.flags),
-            is_python_module=False,
-        )
+        ops = load_ops(build.name, build.sources, build.flags)
     except Exception as exc:  # compiler missing or failing: the message says which
         raise RagblendError(f"could not build ragblend's native kernels: {exc}") from exc
-    ops = getattr(torch.ops, build.name)
     _check_rows(ops.attend_rows, ops.rope_, dtype)
     if dtype == torch.float32:
         _check_decode(ops.decode_attend)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import cpu
-from ragblend.models.quant_kernels import CSRC, ensure_ninja
+from ragblend.extensions import Build, load_ops
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +54,6 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma") 
     "-ffp-contract=off",
     "-fopenmp",
 )
-
-
-class Build(NamedTuple):
-    """One compiled variant of dense_bf16.cpp: the CPU level it needs, its op namespace."""
-
-    level: str
-    name: str
-    flags: tuple[str, ...]
 
 
 # widest first; dense_kernel() takes the first one the CPU level allows that builds and checks
@@ -146,17 +138,8 @@ def tolerance(x: torch.Tensor, weight: torch.Tensor, got: torch.Tensor, want: to
 
 
 def _build(build: Build) -> DenseKernel:
-    from torch.utils.cpp_extension import load
-
-    ensure_ninja()
     log.info("loading ragblend's %s native bf16 decode matmul (compiled once)", build.level)
-    load(
-        name=build.name,
-        sources=[str(CSRC / "dense_bf16.cpp")],
-        extra_cflags=list(build.flags),
-        is_python_module=False,
-    )
-    ops = getattr(torch.ops, build.name)
+    ops = load_ops(build.name, ["dense_bf16.cpp"], build.flags)
     kernel = DenseKernel(ops.matmul, ops.matmul_cat, build.level)
     _check(kernel)
     return kernel

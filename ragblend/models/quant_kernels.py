@@ -26,15 +26,13 @@ float32 rounding of the dense result).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from ragblend import cpu
+from ragblend.extensions import Build, load_ops
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +47,7 @@ QUANT_TYPES: dict[int, str] = {
     14: "Q6_K",
 }
 MAX_ROWS = 16  # rows of x per matmul call
-CSRC = Path(__file__).resolve().parents[1] / "fusion" / "csrc"
 _AVX2 = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
-
-
-class Build(NamedTuple):
-    """One compiled variant of quant_blocks.cpp: the CPU level it needs, its op namespace."""
-
-    level: str
-    name: str
-    flags: tuple[str, ...]
 
 
 # widest first; quant_kernels() takes the first one the CPU level allows that builds and checks
@@ -166,28 +155,9 @@ def _first_build() -> QuantKernels | str:
     raise AssertionError("unreachable: the last build is the least level")
 
 
-def ensure_ninja() -> None:
-    """Put the ninja wheel's binary on PATH where no ``ninja`` is: torch's extension builds
-    run it from PATH, and the wheel installs it beside this interpreter, which is not on PATH
-    when the venv is used without activating it."""
-    if shutil.which("ninja") is None:
-        import ninja
-
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
 def _build(build: Build) -> QuantKernels:
-    from torch.utils.cpp_extension import load
-
-    ensure_ninja()
     log.info("loading ragblend's %s quantized-weight kernels (compiled once)", build.level)
-    load(
-        name=build.name,
-        sources=[str(CSRC / "quant_blocks.cpp")],
-        extra_cflags=list(build.flags),
-        is_python_module=False,
-    )
-    ops = getattr(torch.ops, build.name)
+    ops = load_ops(build.name, ["quant_blocks.cpp"], build.flags)
     kernels = QuantKernels(ops.dequantize, ops.matmul, build.level)
     for qtype in QUANT_TYPES:
         _check(kernels, qtype)
