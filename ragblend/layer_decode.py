@@ -7,23 +7,32 @@ mask and no padded keys), then o_proj and the MLP (``LayerwiseModel.finish``). T
 modules as ``model(...)``, without the per-step work of HF's forward (mask construction, cache
 bookkeeping, output objects), which dominates decode time for small models on CPU.
 
-Given ragblend's native kernels (:mod:`ragblend.fusion.native`, fp32 on CPU), a step's RoPE
-and RMSNorms are the kernels' (HF's values bit for bit) and the attention of all requests is
-one kernel call that also writes their new K/V; a bf16 model on CPU runs the same fp32
-attention kernel over its bf16 K/V, widened to fp32 as it is read (:func:`decode_attention`);
-elsewhere, torch's ops per request.
+Given ragblend's native kernels (:mod:`ragblend.fusion.native`), a step's RoPE and RMSNorms
+are the kernels' (HF's values bit for bit) and the attention of all requests is one kernel
+call that also writes their new K/V (:mod:`ragblend.fusion.decode_kernels`): bf16 dot
+products for a bf16 model on a CPU at the ``avx512_bf16`` level, else the fp32 kernel (over a
+bf16 model's bf16 K/V, widened to fp32 as it is read; :func:`decode_attention`); elsewhere,
+torch's ops per request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ragblend.fusion.native import DecodeKernel, NativeKernels, native_kernels
 from ragblend.models.adapters import LayerwiseModel
+
+
+class DecodeAttention(NamedTuple):
+    """A native decode-step attention kernel and the dtype its q takes (its K/V: the
+    buffers', which the kernel checks)."""
+
+    kernel: DecodeKernel
+    q_dtype: torch.dtype
 
 
 class LayerDecoder:
@@ -129,9 +138,9 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
         if attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]
-            kv_dtype = keys[0].dtype  # the kernel reads fp32 or bf16 K/V, computes in fp32
-            q, k, v = proj.q.float(), proj.k.to(kv_dtype), proj.v.to(kv_dtype)
-            out = attend(q, k, v, keys, values, positions, window or 0, m.scaling(i))
+            kv_dtype = keys[0].dtype
+            q, k, v = proj.q.to(attend.q_dtype), proj.k.to(kv_dtype), proj.v.to(kv_dtype)
+            out = attend.kernel(q, k, v, keys, values, positions, window or 0, m.scaling(i))
             out = out.to(proj.q.dtype)
         else:
             out = _attend_each(m, i, decoders, positions, proj.q, proj.k, proj.v, window)
@@ -141,17 +150,22 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     return m.logits(hidden)
 
 
-def decode_attention(layers: LayerwiseModel, kernels: NativeKernels | None) -> DecodeKernel | None:
-    """The native decode-step attention for this model: the fp32 kernels' (fp32 models, and
-    bf16 models on CPU, whose bf16 K/V it reads as they are and computes on in fp32: torch's
-    CPU SDPA for one bf16 query row runs several times slower), or None for SDPA per request
-    (other dtypes and devices, or where the fp32 kernels do not run)."""
+def decode_attention(
+    layers: LayerwiseModel, kernels: NativeKernels | None
+) -> DecodeAttention | None:
+    """The native decode-step attention for this model: its own kernels' (fp32 models; bf16
+    models where the bf16 kernels have one, at the ``avx512_bf16`` level), else, for a bf16
+    model on CPU, the fp32 kernels' (which read its bf16 K/V as they are and compute in fp32:
+    torch's CPU SDPA for one bf16 query row runs several times slower), or None for SDPA per
+    request (other dtypes and devices, or where no kernel runs)."""
     if kernels is not None and kernels.decode_attend is not None:
-        return kernels.decode_attend
+        return DecodeAttention(kernels.decode_attend, kernels.dtype)
     if layers.dtype != torch.bfloat16 or layers.device.type != "cpu":
         return None
     fp32 = native_kernels("auto", torch.float32, layers.device, layers.head_dim)
-    return fp32.decode_attend if fp32 is not None else None
+    if fp32 is None or fp32.decode_attend is None:
+        return None
+    return DecodeAttention(fp32.decode_attend, torch.float32)
 
 
 def _attend_each(

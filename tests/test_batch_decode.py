@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import FAMILIES, engine_for, tiny_model
 
-from ragblend.layer_decode import LayerDecoder, decode_attention, decode_batch
+from ragblend.fusion.native import native_kernels
+from ragblend.layer_decode import DecodeAttention, LayerDecoder, decode_attention, decode_batch
 from ragblend.models.packed import cpu_packs, pack_decode_linears
 
 PROMPTS = ["Hello there, how are you", "The capital of France is a city", "1 2 3 4 5 6 7 8 9"]
@@ -116,12 +117,15 @@ def test_packed_native_decode_steps_batched_equal_alone_bit_for_bit_and_torch_to
 def test_bf16_decode_reads_bf16_kv_and_gives_what_fp32_buffers_of_its_values_give(
     family, tokenizer
 ):
-    """A bf16 model's decode K/V stays bf16 (half the bytes a step reads); the native attention
-    widens each element exactly, so its logits equal those over fp32 copies bit for bit."""
+    """A bf16 model's decode K/V stays bf16 (half the bytes a step reads); the fp32 attention
+    kernel widens each element exactly, so its logits equal those over fp32 copies bit for
+    bit."""
     model = tiny_model(family, dtype=torch.bfloat16, **WINDOWS.get(family, {}))
     engine = engine_for(model, tokenizer, dtype="bfloat16")
-    if decode_attention(engine.layers, engine.native) is None:
+    fp32 = native_kernels("auto", torch.float32, torch.device("cpu"), engine.layers.head_dim)
+    if fp32 is None or fp32.decode_attend is None:
         pytest.skip("no native fp32 kernels (CPU level below avx2, or no compiler)")
+    attend = DecodeAttention(fp32.decode_attend, torch.float32)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     steps = 10
 
@@ -131,7 +135,8 @@ def test_bf16_decode_reads_bf16_kv_and_gives_what_fp32_buffers_of_its_values_giv
             pre = engine.full_prefill(ids)
             total = len(ids) + steps + 1
             d = LayerDecoder.for_cache(engine.layers, pre.cache, len(ids), total, engine.native)
-            assert d is not None and d.attend is not None
+            assert d is not None
+            d.attend = attend
             assert all(k.dtype == torch.bfloat16 for k in d.keys + d.values)
             if widen:
                 d.keys = [k.float() for k in d.keys]
@@ -144,3 +149,40 @@ def test_bf16_decode_reads_bf16_kv_and_gives_what_fp32_buffers_of_its_values_giv
     fp32_ids, fp32_logits = greedy(engine, *decoders(prompts, widen=True), steps)
     assert bf16_ids == fp32_ids
     assert all(torch.equal(a, b) for a, b in zip(bf16_logits, fp32_logits))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_kernel_decode_steps_are_sdpas_to_bf16_rounding_and_batch_invariant(family, tokenizer):
+    """At the avx512_bf16 level a bf16 model decodes through the bf16 attention kernel: fed
+    the same tokens, its logits are those of SDPA per request to bf16 rounding, and each
+    request's logits batched are its logits alone, bit for bit."""
+    shape = {"hidden_size": 128, "head_dim": 32}  # the bf16 kernels take multiples of 32
+    model = tiny_model(family, dtype=torch.bfloat16, **shape, **WINDOWS.get(family, {}))
+    engine = engine_for(model, tokenizer, dtype="bfloat16")
+    attend = decode_attention(engine.layers, engine.native)
+    if attend is None or attend.q_dtype != torch.bfloat16:
+        pytest.skip("no native bf16 decode attention (CPU level below avx512_bf16)")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    steps = 8
+    feed = [[(7 * s + 3 * b) % 200 + 5 for s in range(steps)] for b in range(len(prompts))]
+
+    def forced(indices: list[int], native: bool) -> list[torch.Tensor]:
+        decoders = []
+        for b in indices:
+            ids = prompts[b]
+            pre = engine.full_prefill(ids)
+            d = LayerDecoder.for_cache(
+                engine.layers, pre.cache, len(ids), len(ids) + steps + 1, engine.native
+            )
+            assert d is not None and d.attend == attend
+            d.attend = attend if native else None
+            decoders.append(d)
+        return [decode_batch(decoders, [feed[b][s] for b in indices]) for s in range(steps)]
+
+    together = forced(list(range(len(prompts))), native=True)
+    for b in range(len(prompts)):
+        alone = forced([b], native=True)
+        assert all(torch.equal(t[b], a[0]) for t, a in zip(together, alone))
+    sdpa = forced(list(range(len(prompts))), native=False)
+    for got, want in zip(together, sdpa):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

@@ -9,14 +9,16 @@ order, each row's online softmax stopping at its own position, the query heads o
 stacked into one tile. Beside it,
 ``csrc/rope.cpp`` rotates keys and queries in place in one pass (torch takes five) and
 ``csrc/rms_norm.cpp`` is HF's Llama RMSNorm in one pass (torch takes six); both give HF's
-values bit for bit. That build is for bf16 on CPUs at the ``avx512_bf16`` level or above
-(:mod:`ragblend.cpu`).
+values bit for bit, and a decode step's attention for a batch of requests in AVX512-BF16 dot
+products (``csrc/decode_attention_bf16.cpp``, :mod:`ragblend.fusion.decode_kernels`). That
+build is for bf16 on CPUs at the ``avx512_bf16`` level or above (:mod:`ragblend.cpu`).
 A second build, for fp32 on any CPU at the ``avx2`` level or above, has the same selected-row
 attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``), the same one-pass RoPE
 and RMSNorm (``csrc/rope_f32.cpp``, ``csrc/rms_norm_f32.cpp``), HF's fp32 values bit for bit
 (both norms sum in torch's order, ``csrc/torch_sum_order.h``), and a decode step's attention
 for a batch of requests, each over its own K/V buffer (``csrc/decode_attention_f32.cpp``: the
-layer-wise decoder's one call per layer instead of SDPA per request). Elsewhere (fp16, CUDA, a
+layer-wise decoder's one call per layer instead of SDPA per request; 16 lanes wide at the
+``avx512`` level). Elsewhere (fp16, CUDA, a
 sliding window, a CPU below the build's level) the SDPA blocks and HF's modules run.
 
 ``row_attention="auto"`` (the default) uses the kernels where they apply and warns once when a
@@ -36,6 +38,7 @@ import torch
 from ragblend import cpu
 from ragblend.errors import RagblendError
 from ragblend.extensions import load_ops
+from ragblend.fusion.decode_kernels import DecodeKernel, decode_kernel
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ _OPENMP = "-fopenmp"
 BUILDS = {
     torch.bfloat16: Build(
         "ragblend_native",
-        ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp"),
+        ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp", "decode_attention_bf16.cpp"),
         "avx512_bf16",
         # bf16 tile matmuls through ATen's brgemm (AMX, else AVX512-BF16), AVX512 code around
         (
@@ -105,28 +108,14 @@ RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, fl
 RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # x [..., D] contiguous, weight [D], eps -> a new tensor like x
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-# q [1, H, B, d], k_new, v_new [1, Hkv, B, d], keys[b], values[b] [1, Hkv, capacity, d]
-# (written at positions[b]), positions [B], window (0: none), scale -> [1, B, H*d]
-DecodeKernel = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        list[torch.Tensor],
-        list[torch.Tensor],
-        list[int],
-        int,
-        float,
-    ],
-    torch.Tensor,
-]
 
 
 class NativeKernels(NamedTuple):
     """The compiled kernels for one ``dtype``: selected-row attention, in-place RoPE,
     Llama's RMSNorm (``None`` where there is none for the dtype, or it does not match this
     torch's bit for bit, see ``_rms_norm_if_exact``) and a decode step's attention for a
-    batch of requests (fp32 only)."""
+    batch of requests (q and K/V of ``dtype``, fp32's also over bf16 K/V; ``None`` where the
+    bf16 one fails its check, :mod:`ragblend.fusion.decode_kernels`)."""
 
     attend_rows: RowKernel
     rope_: RopeKernel
@@ -186,11 +175,8 @@ def _compiled(dtype: torch.dtype) -> NativeKernels:
     except Exception as exc:  # compiler missing or failing: the message says which
         raise RagblendError(f"could not build ragblend's native kernels: {exc}") from exc
     _check_rows(ops.attend_rows, ops.rope_, dtype)
-    if dtype == torch.float32:
-        _check_decode(ops.decode_attend)
     norm = _rms_norm_if_exact(ops.rms_norm, dtype)
-    decode = ops.decode_attend if dtype == torch.float32 else None
-    return NativeKernels(ops.attend_rows, ops.rope_, norm, dtype, decode)
+    return NativeKernels(ops.attend_rows, ops.rope_, norm, dtype, decode_kernel(ops, dtype))
 
 
 # the row attention's tolerance against SDPA in float32 over the same inputs, per dtype
@@ -224,46 +210,6 @@ def _check_rows(attend: RowKernel, rope_: RopeKernel, dtype: torch.dtype) -> Non
     atol, rtol = _ROWS_TOLERANCE[dtype]
     if not torch.allclose(got, ref.transpose(1, 2).reshape(1, 70, -1), atol=atol, rtol=rtol):
         raise RagblendError(f"the native {dtype} row attention does not match SDPA's")
-
-
-def _check_decode(attend: DecodeKernel) -> None:
-    """RagblendError unless the decode attention writes each request's new K/V at its
-    position and gives SDPA's attention over its keys (a window on, GQA, two requests of
-    different lengths, one over several key blocks) to fp32 rounding; and, over bf16 K/V, the
-    same output bit for bit as over those values in fp32, its new bf16 K/V written as given."""
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, 2, 32, generator=gen)
-    k_new, v_new = torch.randn(2, 1, 2, 2, 32, generator=gen)
-    keys = [torch.randn(1, 2, n, 32, generator=gen) for n in (1200, 40)]
-    values = [torch.randn(1, 2, n, 32, generator=gen) for n in (1200, 40)]
-    positions, window = [1100, 30], 1000
-    want = []
-    for b, p in enumerate(positions):
-        k, v = keys[b].clone(), values[b].clone()
-        k[:, :, p], v[:, :, p] = k_new[:, :, b], v_new[:, :, b]
-        lo = max(0, p - window + 1)
-        want.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, b : b + 1],
-                k[:, :, lo : p + 1],
-                v[:, :, lo : p + 1],
-                scale=0.2,
-                enable_gqa=True,
-            )
-        )
-    bf16 = [[t.bfloat16() for t in ts] for ts in (keys, values)]
-    got = attend(q, k_new, v_new, keys, values, positions, window, 0.2)
-    ref = torch.cat(want, dim=2).transpose(1, 2).reshape(1, 2, -1)
-    written = all(torch.equal(keys[b][:, :, p], k_new[:, :, b]) for b, p in enumerate(positions))
-    if not written or not torch.allclose(got, ref, atol=1e-5, rtol=1e-4):
-        raise RagblendError("the native fp32 decode attention does not match SDPA's")
-    k16, v16 = k_new.bfloat16(), v_new.bfloat16()
-    got16 = attend(q, k16, v16, bf16[0], bf16[1], positions, window, 0.2)
-    widened = [[t.float() for t in ts] for ts in bf16]
-    same = attend(q, k16.float(), v16.float(), widened[0], widened[1], positions, window, 0.2)
-    written = all(torch.equal(bf16[0][b][:, :, p], k16[:, :, b]) for b, p in enumerate(positions))
-    if not written or not torch.equal(got16, same):
-        raise RagblendError("the native decode attention over bf16 K/V differs from fp32's")
 
 
 def _rms_norm_if_exact(
