@@ -53,9 +53,9 @@ AUTO_BY_LEVEL: dict[str, AutoChoice] = {
     "avx512_bf16": AutoChoice(
         BF16,
         BF16,
-        "AMD EPYC Zen 5, 2026-11-25, benchmarks/quant_weights.py (amd-avx512bf16/)",
-        "bf16 vs fp32: blend 365 vs 1142 ms, decode 79.1 vs 71.0 tok/s, blend + 64 tokens "
-        "1174 vs 2043 ms (kept Q4_1; dequantized: decode 71.2 vs 44.5 tok/s)",
+        "AMD EPYC Zen 5, 2026-11-26, benchmarks/quant_weights.py (amd-avx512bf16/)",
+        "bf16 vs fp32: blend 430 vs 1223 ms, decode 79.5 vs 67.3 tok/s, blend + 64 tokens "
+        "1235 vs 2175 ms (kept Q4_1; dequantized: decode 83.5 vs 47.2 tok/s)",
     ),
     "amx": AutoChoice(
         BF16,
