@@ -185,6 +185,29 @@ def test_contiguous_tail_rows_take_the_causal_kernel_and_match_the_reference():
         )
 
 
+def test_tail_rows_go_to_a_native_kernel_unless_the_causal_path_must_stay_exact():
+    positions = torch.arange(40, 300)
+    seen = []
+
+    def kernel(q, k, v, rows, scaling):
+        seen.append(rows)
+        return _reference_rows(q, k, v, rows, scaling)
+
+    exact = RowAttentionPlan(positions, 2, torch.float32, None, 300, kernel)
+    assert exact.causal_start == 40 and exact.kernel is None  # ratio 1.0: HF's causal kernel
+    fast = RowAttentionPlan(positions, 2, torch.float32, None, 300, kernel, exact_causal=False)
+    assert fast.causal_start is None and fast.kernel is kernel and not fast.blocks
+    torch.manual_seed(2)
+    q = torch.randn(1, 4, positions.numel(), 8)
+    k, v = torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
+    torch.testing.assert_close(
+        attend_rows(q, k, v, fast, 0.3), attend_rows(q, k, v, exact, 0.3), atol=1e-5, rtol=1e-5
+    )
+    assert len(seen) == 1 and torch.equal(seen[0], positions)
+    windowed = RowAttentionPlan(positions, 2, torch.float32, 64, 300, kernel, exact_causal=False)
+    assert windowed.kernel is None  # the kernels attend no sliding window
+
+
 def test_a_maskless_causal_plan_refuses_keys_of_another_length():
     positions = torch.arange(40, 300)
     plan = RowAttentionPlan(positions, 2, torch.float32, None, num_keys=300)

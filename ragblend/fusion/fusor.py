@@ -137,7 +137,7 @@ def fuse(
         plan = plans.get(window)
         if plan is None:
             plan = plans[window] = RowAttentionPlan(
-                active, groups, q.dtype, window, rows.n, row_kernel
+                active, groups, q.dtype, window, rows.n, row_kernel, exact_causal=schedule is None
             )
         if temper is None:
             attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
