@@ -8,10 +8,10 @@
 // second matmul), summed in fp32, normalised by the fp32 sum of the exps. The new K/V written
 // at each request's position, the key blocks, the merge: decode_step.h, as the fp32 kernel's.
 //
-// Values are weighed two rows at a time: each pair of rows is interleaved once per block
+// Values are weighed two rows at a time: each pair of rows is interleaved in registers
 // (column c of row t beside column c of row t + 1, within each 128-bit lane), so that one
-// vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 columns, a row's columns ending in the order
-// the interleave leaves them, put back in order once per block.
+// vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 columns; a row's sums end in the order the
+// interleave leaves them, put back in order once per block.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 

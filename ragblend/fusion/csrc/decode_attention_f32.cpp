@@ -28,8 +28,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
