@@ -54,8 +54,8 @@ AUTO_BY_LEVEL: dict[str, AutoChoice] = {
         BF16,
         BF16,
         "AMD EPYC Zen 5, 2026-11-26, benchmarks/quant_weights.py (amd-avx512bf16/)",
-        "bf16 vs fp32: blend 430 vs 1223 ms, decode 79.5 vs 67.3 tok/s, blend + 64 tokens "
-        "1235 vs 2175 ms (kept Q4_1; dequantized: decode 83.5 vs 47.2 tok/s)",
+        "bf16 vs fp32: blend 341 vs 1182 ms, decode 84.3 vs 69.3 tok/s, blend + 64 tokens "
+        "1100 vs 2106 ms (kept Q4_1; dequantized: decode 81.8 vs 45.1 tok/s)",
     ),
     "amx": AutoChoice(
         BF16,
