@@ -37,6 +37,14 @@ constexpr int64_t kPairs = 16;  // value-row pairs weighed per pass of a row gro
 constexpr int64_t kRows = 4;    // query rows weighed together (columns in registers)
 constexpr int64_t kAhead = 64;  // K/V rows prefetched this far ahead of the ones in use
 
+// Asks for rows [0, rows) at p (stride bytes apart, `bytes` each) to be brought into L1: a
+// block's K and V are short streams that the hardware prefetcher ramps up on too late.
+inline void prefetch_rows(const void* p, int64_t rows, int64_t stride, int64_t bytes) {
+  const char* base = static_cast<const char*>(p);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + r * stride + b, _MM_HINT_T0);
+}
+
 RAGBLEND_INLINE __m512bh bf16x32(const uint16_t* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
@@ -55,9 +63,9 @@ void scores(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* k
   for (; t + 16 <= end; t += 16) {
     const uint16_t* k = keys + t * key_stride;
     if (t + kAhead < end)  // the keys kAhead on, then the block's first values
-      ragblend::decode::prefetch_rows(k + kAhead * key_stride, 16, key_stride * 2, dim * 2);
+      prefetch_rows(k + kAhead * key_stride, 16, key_stride * 2, dim * 2);
     else
-      ragblend::decode::prefetch_rows(values + (t + kAhead - end) * value_stride, 16,
+      prefetch_rows(values + (t + kAhead - end) * value_stride, 16,
                                       value_stride * 2, dim * 2);
     for (int64_t r = 0; r < rows; ++r) {
       const uint16_t* qr = q + r * q_stride;
@@ -223,7 +231,7 @@ void attend_block(const uint16_t* q, int64_t q_stride, int64_t rows, const uint1
   for (int64_t t0 = 0; t0 < n; t0 += 2 * kPairs) {
     const int64_t pairs = std::min(kPairs, (n - t0 + 1) / 2);
     if (t0 + kAhead < n)
-      ragblend::decode::prefetch_rows(block + (t0 + kAhead) * value_stride,
+      prefetch_rows(block + (t0 + kAhead) * value_stride,
                                       std::min(2 * kPairs, n - t0 - kAhead), value_stride * 2,
                                       dim * 2);
     for (int64_t r = 0; r < rows; r += kRows) {

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -39,7 +41,6 @@ namespace {
 
 using ragblend::decode::Block;
 using ragblend::decode::decode_step;
-using ragblend::decode::exponentiate;
 using ragblend::decode::kKeyBlock;
 using Vec = at::vec::Vectorized<float>;
 
@@ -158,6 +159,26 @@ void scores(const float* q, int64_t q_stride, int64_t rows, const T* keys,
           scale * at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
     }
   }
+}
+
+// exp(s - max) in place over n scores; returns (max, sum of the exps).
+std::pair<float, float> exponentiate(float* s, int64_t n) {
+  const float max = at::vec::reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+  const Vec shift(-max);
+  int64_t j = 0;
+  Vec acc(0.0f);
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(s + j) + shift).exp_u20();
+    acc = acc + e;
+    e.store(s + j);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - max);
+    sum += s[j];
+  }
+  return {max, sum};
 }
 
 constexpr int64_t kValueRun = 32;  // value rows copied to L1 (as float32) and weighed together

@@ -1,7 +1,8 @@
 // What both decode-step attention kernels share (decode_attention_f32.cpp: float32 math over
 // float32 or bf16 K/V; decode_attention_bf16.cpp: AVX512-BF16 dot products over bf16): the
 // checks, the new token's K/V written at its position, the cut into fixed key blocks that
-// threads share, the softmax of one block's scores and the in-order merge of the blocks.
+// threads share, the in-order merge of the blocks, and (AVX512 builds) the transposing
+// reduction of 16 dot products.
 //
 // A request's blocks depend only on its own position, and they are merged in order, so its
 // output is the same whatever the batch and the thread count.
@@ -9,8 +10,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 
 #include <immintrin.h>
@@ -18,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "unroll.h"
@@ -56,35 +54,6 @@ RAGBLEND_INLINE __m512 sum_lanes16(__m512* acc) {
 }
 #endif
 
-// Asks for rows [0, rows) at p (stride bytes apart, `bytes` each) to be brought into L1: a
-// block's K and V are short streams that the hardware prefetcher ramps up on too late.
-inline void prefetch_rows(const void* p, int64_t rows, int64_t stride, int64_t bytes) {
-  const char* base = static_cast<const char*>(p);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + r * stride + b, _MM_HINT_T0);
-}
-
-// exp(s - max) in place over n scores; returns (max, sum of the exps).
-inline std::pair<float, float> exponentiate(float* s, int64_t n) {
-  using Vec = at::vec::Vectorized<float>;
-  const float max = at::vec::reduce_all<float>(
-      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
-  const Vec shift(-max);
-  int64_t j = 0;
-  Vec acc(0.0f);
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec e = (Vec::loadu(s + j) + shift).exp_u20();
-    acc = acc + e;
-    e.store(s + j);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - max);
-    sum += s[j];
-  }
-  return {max, sum};
-}
-
 // One decode step for a batch: q [1, H, B, d] (its dtype checked by the caller), k_new, v_new
 // [1, Hkv, B, d] and keys[b], values[b] [1, Hkv, capacity, d], all of element T (d
 // contiguous); request b's new K/V written at positions[b], then each query head attends
@@ -95,7 +64,8 @@ inline std::pair<float, float> exponentiate(float* s, int64_t n) {
 //          int64_t value_stride, float* maxes, float* sums, float* out),
 // attends the `groups` query heads of KV head blk.head of request blk.request over keys
 // [blk.begin, blk.end) (keys, values: that head's rows, key_stride / value_stride elements
-// apart): per query head g, maxes[g] and sums[g] from exponentiate and out[g * d + :] the
+// apart): per query head g, maxes[g] (its largest score), sums[g] (the sum of exp(score -
+// max)) and out[g * d + :] those exps times the values,
 // exps times the values, unnormalised.
 template <typename T, class MakeWorker>
 at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
