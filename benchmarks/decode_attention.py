@@ -4,7 +4,7 @@ For a model's attention shape (query heads, KV heads, head dim, layers), B reque
 its own ``--context`` keys of random bf16 K/V per layer (distinct buffers per layer and
 request, as a step reads them: from memory, not cache), the time of one decode step's
 attention (every layer's call) for each build this CPU runs
-(:mod:`ragblend.fusion.decode_kernels`):
+(:func:`ragblend.fusion.native.decode_builds`):
 
 - ``fp32_avx2``: fp32 math, bf16 widened, 8 lanes (the fp32 kernels' own build);
 - ``fp32_avx512``: the same at 16 lanes (``avx512`` and above);
@@ -30,9 +30,7 @@ from pathlib import Path
 import torch
 
 from ragblend import cpu
-from ragblend.extensions import load_ops
-from ragblend.fusion import decode_kernels
-from ragblend.fusion.native import build_kernels, cpu_runs_kernel
+from ragblend.fusion.native import decode_builds
 
 # name -> (query heads, KV heads, head dim, layers)
 SHAPES = {
@@ -40,24 +38,6 @@ SHAPES = {
     "qwen2.5-0.5b": (14, 2, 64, 24),
     "llama-3.2-3b": (24, 8, 128, 28),
 }
-
-
-def builds() -> dict[str, tuple[Callable[..., torch.Tensor], torch.dtype]]:
-    """Build name -> (kernel, the dtype its q takes), for the builds this CPU runs."""
-    out: dict[str, tuple[Callable[..., torch.Tensor], torch.dtype]] = {}
-    if cpu_runs_kernel(torch.float32):
-        build_kernels(torch.float32)
-        out["fp32_avx2"] = (torch.ops.ragblend_native_f32.decode_attend, torch.float32)
-    if cpu.isa_at_least(decode_kernels.DECODE_512.level):
-        wide = decode_kernels.DECODE_512
-        ops = load_ops(wide.name, ("decode_attention_f32.cpp",), wide.flags)
-        out["fp32_avx512"] = (ops.decode_attend, torch.float32)
-    if cpu_runs_kernel(torch.bfloat16):
-        build_kernels(torch.bfloat16)
-        out["bf16_dpbf16"] = (torch.ops.ragblend_native.decode_attend, torch.bfloat16)
-    if not out:
-        raise SystemExit("no native decode attention runs here (CPU level below avx2?)")
-    return out
 
 
 def step(shape: tuple[int, int, int, int], context: int, batch: int) -> Callable[..., None]:
@@ -98,7 +78,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/decode_attention"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = builds()
+    kernels = decode_builds()
+    if not kernels:
+        raise SystemExit("no native decode attention runs here (CPU level below avx2?)")
     results = []
     for name in args.shapes:
         shape = SHAPES[name]

@@ -13,6 +13,10 @@ from typing import Any, NamedTuple
 import torch
 
 CSRC = Path(__file__).resolve().parent / "fusion" / "csrc"
+# the instruction sets every AVX512 build of ragblend's kernels targets (F/BW/VL/DQ)
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# at::vec's 16-lane code, for a source that uses ATen's vectorized types
+ATEN_AVX512 = ("-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")
 
 
 class Build(NamedTuple):

@@ -10,9 +10,8 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import load_ops
 from ragblend.fusion import decode_kernels
-from ragblend.fusion.native import build_kernels, cpu_runs_kernel
+from ragblend.fusion.native import build_kernels, cpu_runs_kernel, decode_builds
 
 # (query heads, KV heads, head dim), and key counts either side of the 16-key tiles, the
 # 32-value runs and the 512-key blocks
@@ -20,22 +19,7 @@ SHAPES = [(14, 2, 64), (9, 3, 64), (4, 2, 128), (4, 1, 96), (2, 2, 32)]
 LENGTHS = [[0], [1], [15], [16], [17], [33], [511], [512], [513], [1100, 40, 600]]
 
 
-def _builds() -> list[tuple[str, decode_kernels.DecodeKernel, torch.dtype]]:
-    builds = []
-    if cpu_runs_kernel(torch.float32):
-        build_kernels(torch.float32)
-        builds.append(("avx2", torch.ops.ragblend_native_f32.decode_attend, torch.float32))
-    if cpu.isa_at_least(decode_kernels.DECODE_512.level):
-        wide = decode_kernels.DECODE_512
-        ops = load_ops(wide.name, ("decode_attention_f32.cpp",), wide.flags)
-        builds.append(("avx512", ops.decode_attend, torch.float32))
-    if cpu_runs_kernel(torch.bfloat16):
-        build_kernels(torch.bfloat16)
-        builds.append(("avx512_bf16", torch.ops.ragblend_native.decode_attend, torch.bfloat16))
-    return builds
-
-
-BUILDS = _builds()
+BUILDS = [(name, kernel, dtype) for name, (kernel, dtype) in decode_builds().items()]
 IDS = [name for name, _, _ in BUILDS]
 
 

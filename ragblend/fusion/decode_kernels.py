@@ -26,7 +26,7 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import Build, load_ops
+from ragblend.extensions import ATEN_AVX512, AVX512, Build, load_ops
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,8 @@ DecodeKernel = Callable[
 DECODE_512 = Build(
     "avx512",
     "ragblend_decode512",
-    (
-        "-O3",
-        "-DCPU_CAPABILITY_AVX512",
-        "-DCPU_CAPABILITY=AVX512",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mfma",
-        "-ffp-contract=off",
-        "-fopenmp",
-        "-DRAGBLEND_DECODE_512",
-        "-DRAGBLEND_DECODE_NS=ragblend_decode512",
-    ),
+    ("-O3", *ATEN_AVX512, *AVX512, "-mfma", "-ffp-contract=off", "-fopenmp")
+    + ("-DRAGBLEND_DECODE_512", "-DRAGBLEND_DECODE_NS=ragblend_decode512"),
 )
 
 # the kernels' tolerance against SDPA in fp32 over the same values: fp32 rounding for fp32
@@ -94,14 +82,21 @@ def widest_fp32(avx2: DecodeKernel) -> DecodeKernel:
     if not cpu.isa_at_least(DECODE_512.level):
         return avx2
     try:
-        wide: DecodeKernel = load_ops(
-            DECODE_512.name, ("decode_attention_f32.cpp",), DECODE_512.flags
-        ).decode_attend
+        wide = load_512()
         check(wide, torch.float32)
     except Exception as exc:  # compiler failing, or a wrong result: the message says which
         log.warning("ragblend's AVX512 decode attention does not run (%s); using the AVX2 one", exc)
         return avx2
     return wide
+
+
+def load_512() -> DecodeKernel:
+    """The 16-lane build of the fp32 decode attention, compiled (or loaded) and unchecked;
+    whatever the compiler or loader raises."""
+    kernel: DecodeKernel = load_ops(
+        DECODE_512.name, ("decode_attention_f32.cpp",), DECODE_512.flags
+    ).decode_attend
+    return kernel
 
 
 def check(attend: DecodeKernel, dtype: torch.dtype) -> None:

@@ -37,8 +37,8 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import load_ops
-from ragblend.fusion.decode_kernels import DecodeKernel, decode_kernel
+from ragblend.extensions import ATEN_AVX512, AVX512, load_ops
+from ragblend.fusion.decode_kernels import DECODE_512, DecodeKernel, decode_kernel, load_512
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +67,7 @@ BUILDS = {
         ("rows_attention.cpp", "rope.cpp", "rms_norm.cpp", "decode_attention_bf16.cpp"),
         "avx512_bf16",
         # bf16 tile matmuls through ATen's brgemm (AMX, else AVX512-BF16), AVX512 code around
-        (
-            "-O3",
-            "-DCPU_CAPABILITY_AVX512",
-            "-DCPU_CAPABILITY=AVX512",
-            "-mavx512f",
-            "-mavx512bw",
-            "-mavx512vl",
-            "-mavx512dq",
-            "-mavx512bf16",
-            "-mfma",
-            _OPENMP,
-        ),
+        ("-O3", *ATEN_AVX512, *AVX512, "-mavx512bf16", "-mfma", _OPENMP),
         torch.bfloat16,
         32,
     ),
@@ -161,6 +150,22 @@ def build_kernels(dtype: torch.dtype = torch.bfloat16) -> NativeKernels:
     if isinstance(built, RagblendError):
         raise built
     return built
+
+
+def decode_builds() -> dict[str, tuple[DecodeKernel, torch.dtype]]:
+    """Every build of the decode attention this CPU level runs, by name (``fp32_avx2``,
+    ``fp32_avx512``, ``bf16_dpbf16``), each with the dtype its q takes: for tests and
+    benchmarks that compare them (a model decodes with its kernels' ``decode_attend``)."""
+    builds: dict[str, tuple[DecodeKernel, torch.dtype]] = {}
+    if cpu_runs_kernel(torch.float32):
+        build_kernels(torch.float32)
+        builds["fp32_avx2"] = (torch.ops.ragblend_native_f32.decode_attend, torch.float32)
+    if cpu.isa_at_least(DECODE_512.level):
+        builds["fp32_avx512"] = (load_512(), torch.float32)
+    if cpu_runs_kernel(torch.bfloat16):
+        build_kernels(torch.bfloat16)
+        builds["bf16_dpbf16"] = (torch.ops.ragblend_native.decode_attend, torch.bfloat16)
+    return builds
 
 
 _BUILT: dict[torch.dtype, NativeKernels | RagblendError] = {}  # the kernels, or why not

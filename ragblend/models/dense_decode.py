@@ -44,16 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import cpu
-from ragblend.extensions import Build, load_ops
+from ragblend.extensions import AVX512, Build, load_ops
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # rows of x per call
 COLS_MULTIPLE = 32  # the kernel reads 32 bf16 weights (one cache line) at a time
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma") + (
-    "-ffp-contract=off",
-    "-fopenmp",
-)
+FLAGS = ("-O3", *AVX512, "-mfma", "-ffp-contract=off", "-fopenmp")
 
 
 # widest first; dense_kernel() takes the first one the CPU level allows that builds and checks

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from ragblend import cpu
-from ragblend.extensions import Build, load_ops
+from ragblend.extensions import AVX512, Build, load_ops
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ BUILDS: tuple[Build, ...] = (
     Build(
         "avx512",
         "ragblend_quant512",
-        (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-        + ("-DRAGBLEND_QUANT_512", "-DRAGBLEND_QUANT_NS=ragblend_quant512"),
+        (*_AVX2, *AVX512) + ("-DRAGBLEND_QUANT_512", "-DRAGBLEND_QUANT_NS=ragblend_quant512"),
     ),
     Build("avx2", "ragblend_quant", _AVX2),
 )
