@@ -1,12 +1,13 @@
 """Speed of the native GGUF block kernels (ragblend.models.quant_kernels) on one square matrix.
 
-For Q4_K, Q6_K and Q4_1 (random valid blocks, ``--size`` x ``--size``): ``matmul`` at n = 1,
-4 and 16 rows of x, and ``dequantize`` to float32, against ``F.linear`` on the float32 weights
-of the same shape. Each repeat runs every case once, in turn (interleaved, so that a noisy
+For each of ``--types`` (default Q4_K, Q6_K and Q4_1; random valid blocks, ``--size`` x
+``--size``, or ``--shape ROWS COLS``): ``matmul`` at n = 1, 4 and 16 rows of x (``--n``), and
+``dequantize`` to float32, against ``F.linear`` on the float32 weights of the same shape. Each repeat runs every case once, in turn (interleaved, so that a noisy
 neighbour hits all cases alike); the medians are reported with GB/s of weight bytes read
 (blocks for the kernels, float32 weights for F.linear) and, for dequantize, of float32 written.
 
     python benchmarks/quant_matmul.py --out out/quant_matmul.json
+    python benchmarks/quant_matmul.py --types Q5_0,Q8_0 --shape 4864 896 --n 1,4,8 --out …
 """
 
 from __future__ import annotations
@@ -30,47 +31,60 @@ from ragblend.models.quant_kernels import (
     random_blocks,
 )
 
-TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_1": 3}
-ROWS = (1, 4, 16)
+DEFAULT_TYPES = ("Q4_K", "Q6_K", "Q4_1")
+DEFAULT_ROWS = (1, 4, 16)
 
 
-def cases(size: int) -> dict[str, tuple[Callable[[], object], int]]:
-    """name -> (a call to time, bytes of weights it reads)."""
+def cases(
+    rows: int, cols: int, types: dict[str, int], ns: tuple[int, ...]
+) -> dict[str, tuple[Callable[[], object], int]]:
+    """name -> (a call to time, bytes of weights it reads), for a [rows, cols] weight."""
     kernels = quant_kernels()
     if kernels is None:
         raise SystemExit("the quantized-weight kernels are not available on this machine")
     gen = torch.Generator().manual_seed(0)
-    xs = {n: torch.randn(n, size, generator=gen) for n in ROWS}
+    xs = {n: torch.randn(n, cols, generator=gen) for n in ns}
     out: dict[str, tuple[Callable[[], object], int]] = {}
     weight = None
-    for name, qtype in TYPES.items():
-        blocks = random_blocks(size, size, qtype, gen)
-        weight = dequantize_reference(blocks, qtype, size)
+    for name, qtype in types.items():
+        blocks = random_blocks(rows, cols, qtype, gen)
+        weight = dequantize_reference(blocks, qtype, cols)
         nbytes = blocks.numel()
-        for n in ROWS:
+        for n in ns:
             out[f"{name} matmul n={n}"] = (
-                lambda x=xs[n], b=blocks, q=qtype: kernels.matmul(x, b, q, size, None),
+                lambda x=xs[n], b=blocks, q=qtype: kernels.matmul(x, b, q, cols, None),
                 nbytes,
             )
         out[f"{name} dequantize f32"] = (
-            lambda b=blocks, q=qtype: kernels.dequantize(b, q, size, torch.float32),
+            lambda b=blocks, q=qtype: kernels.dequantize(b, q, cols, torch.float32),
             nbytes,
         )
     assert weight is not None
-    for n in ROWS:
+    for n in ns:
         out[f"F.linear f32 n={n}"] = (lambda x=xs[n], w=weight: F.linear(x, w), weight.nbytes)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=4096)
+    parser.add_argument("--size", type=int, default=4096, help="a square matrix's side")
+    parser.add_argument(
+        "--shape", type=int, nargs=2, metavar=("ROWS", "COLS"), help="instead of --size"
+    )
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES), help="e.g. Q5_0,Q8_0")
+    parser.add_argument("--n", default=",".join(map(str, DEFAULT_ROWS)), help="rows of x")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default="out/quant_matmul.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    timed = cases(args.size)
+    ids = {name: qtype for qtype, name in QUANT_TYPES.items()}
+    unknown = [t for t in args.types.split(",") if t not in ids]
+    if unknown:
+        parser.error(f"unknown types {unknown}; known: {', '.join(ids)}")
+    types = {t: ids[t] for t in args.types.split(",")}
+    rows, cols = args.shape or (args.size, args.size)
+    timed = cases(rows, cols, types, tuple(int(n) for n in args.n.split(",")))
     times: dict[str, list[float]] = {name: [] for name in timed}
     for call, _ in timed.values():  # warm up: caches, pages, thread pool
         call()
@@ -85,7 +99,7 @@ def main() -> None:
         row = {"median_ms": median * 1e3, "min_ms": min(times[name]) * 1e3}
         row["weights_gb_per_s"] = nbytes / median / 1e9
         if "dequantize" in name:
-            row["f32_out_gb_per_s"] = args.size * args.size * 4 / median / 1e9
+            row["f32_out_gb_per_s"] = rows * cols * 4 / median / 1e9
         results[name] = row
         extra = f", {row['f32_out_gb_per_s']:.1f} GB/s f32 out" if "f32_out_gb_per_s" in row else ""
         print(
@@ -94,7 +108,7 @@ def main() -> None:
         )
     report = {
         "benchmark": "quant_matmul",
-        "size": args.size,
+        "shape": [rows, cols],
         "threads": args.threads,
         "repeats": args.repeats,
         "cpu": cpu.cpu_model(),
@@ -102,7 +116,7 @@ def main() -> None:
         "kernel_build": kernels.level if (kernels := quant_kernels()) else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "types": {name: QUANT_TYPES[qtype] for name, qtype in TYPES.items()},
+        "types": list(types),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "results": results,
     }
