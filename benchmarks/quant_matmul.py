@@ -1,10 +1,13 @@
-"""Speed of the native GGUF block kernels (ragblend.models.quant_kernels) on one square matrix.
+"""Speed of the native GGUF block kernels (ragblend.models.quant_kernels) on one matrix.
 
 For each of ``--types`` (default Q4_K, Q6_K and Q4_1; random valid blocks, ``--size`` x
 ``--size``, or ``--shape ROWS COLS``): ``matmul`` at n = 1, 4 and 16 rows of x (``--n``), and
-``dequantize`` to float32, against ``F.linear`` on the float32 weights of the same shape. Each repeat runs every case once, in turn (interleaved, so that a noisy
-neighbour hits all cases alike); the medians are reported with GB/s of weight bytes read
-(blocks for the kernels, float32 weights for F.linear) and, for dequantize, of float32 written.
+``dequantize`` to float32, against ``F.linear`` on the float32 weights of the same shape. Each
+repeat runs every case once, in turn (interleaved, so that a noisy neighbour hits all cases
+alike); the medians are reported with GB/s of weight bytes read (blocks for the kernels,
+float32 weights for F.linear) and, for dequantize, of float32 written. A matrix larger than
+the CPU's last-level cache (e.g. ``--shape 151936 896``, Qwen2.5-0.5B's LM head) is read from
+memory as a decode step reads it.
 
     python benchmarks/quant_matmul.py --out out/quant_matmul.json
     python benchmarks/quant_matmul.py --types Q5_0,Q8_0 --shape 4864 896 --n 1,4,8 --out …
