@@ -136,6 +136,23 @@ def test_matmul_equals_x_times_dequantized_weights(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+def test_bf16_matmul_is_the_float32_matmul_rounded_to_bf16(qtype):
+    cols = 512 if qtype in K_TYPES else 96 * 3
+    blocks, _ = _case(qtype, 37, cols, seed=5)
+    gen = torch.Generator().manual_seed(qtype + 100)
+    x = torch.randn(MAX_ROWS, cols, generator=gen).bfloat16()
+    bias = torch.randn(37, generator=gen).bfloat16()
+    for n in (1, 4, MAX_ROWS):
+        for b in (None, bias, bias.float()):
+            got = _kernels().matmul(x[:n].contiguous(), blocks, qtype, cols, b)
+            fb = None if b is None else b.float()
+            want = _kernels().matmul(x[:n].float(), blocks, qtype, cols, fb).bfloat16()
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"n={n}"
+    one = _kernels().matmul(x[5:6].contiguous(), blocks, qtype, cols, bias)
+    assert torch.equal(one[0], _kernels().matmul(x, blocks, qtype, cols, bias)[5])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
 @pytest.mark.parametrize("rows", [1, 33, 67, 130])
 def test_matmul_row_is_the_same_alone_and_batched(qtype, rows):
     cols = 512 if qtype in K_TYPES else 96 * (1 + rows % 3)

@@ -13,6 +13,9 @@ CPU level has it: a matmul twice as wide) has two ops on them:
   ``x @ dequantize(blocks).T (+ bias)`` to float32 rounding for ``1 <= n <=`` :data:`MAX_ROWS`,
   reading each weight block once for all n rows (a decode step's projection). Each output row
   is the same bit for bit whatever n (a request decoded in a batch gets what it gets alone).
+  x and the output are float32 or both bf16 (the bias either): in bf16, bit for bit the
+  float32 call on ``x.float()`` and ``bias.float()`` rounded ``.to(torch.bfloat16)``, without
+  those conversions' own calls.
 
 :func:`quant_kernels` builds them once per process, for the highest of :data:`BUILDS` the CPU
 level allows (:mod:`ragblend.cpu`), and checks them on random blocks of every type against
@@ -77,8 +80,8 @@ SCALE_FIELDS: dict[int, tuple[int, ...]] = {
 class QuantKernels(NamedTuple):
     """The compiled ops. ``dequantize(blocks, qtype, cols, dtype)``: uint8 ``[rows,
     row_bytes]`` -> ``[rows, cols]`` in ``dtype`` (float32 or bfloat16).
-    ``matmul(x, blocks, qtype, cols, bias)``: float32 x ``[n, cols]`` (contiguous, n <= 16),
-    bias float32 ``[rows]`` or None -> float32 ``[n, rows]``."""
+    ``matmul(x, blocks, qtype, cols, bias)``: float32 or bf16 x ``[n, cols]`` (contiguous,
+    n <= 16), bias float32 or bf16 ``[rows]`` or None -> ``[n, rows]`` in x's dtype."""
 
     dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor]
     matmul: Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor]
@@ -172,7 +175,8 @@ def matmul_tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _check(kernels: QuantKernels, qtype: int) -> None:
     """RuntimeError unless, on random blocks of ``qtype``, dequantize equals gguf's bit for bit
     (float32, and bf16 as float32 rounded), matmul equals ``x @ ref.T + bias`` to float32
-    rounding, and each row of a batched matmul equals the same row alone bit for bit."""
+    rounding, each row of a batched matmul equals the same row alone bit for bit, and bf16 x
+    and bias give the float32 call's output rounded to bf16 bit for bit."""
     name = QUANT_TYPES[qtype]
     gen = torch.Generator().manual_seed(qtype)
     blocks = random_blocks(7, 512, qtype, gen)
@@ -191,3 +195,7 @@ def _check(kernels: QuantKernels, qtype: int) -> None:
         alone = kernels.matmul(x[i : i + 1], blocks, qtype, 512, bias)
         if not torch.equal(alone[0], batched[i]):
             raise RuntimeError(f"{name} matmul gives a row in a batch other than alone")
+    x16, bias16 = x.bfloat16(), bias.bfloat16()
+    want = kernels.matmul(x16.float(), blocks, qtype, 512, bias16.float()).bfloat16()
+    if not torch.equal(kernels.matmul(x16, blocks, qtype, 512, bias16), want):
+        raise RuntimeError(f"{name} bf16 matmul is not the float32 one rounded to bf16")

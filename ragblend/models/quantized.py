@@ -34,6 +34,8 @@ from ragblend.models.quant_kernels import (
 
 log = logging.getLogger(__name__)
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the matmul kernel takes and returns
+
 
 class QuantizedWeight:
     """A weight matrix [rows, cols] as GGUF blocks: ``blocks`` uint8 [rows, row_bytes] of
@@ -64,12 +66,15 @@ class QuantizedWeight:
         return kernels.dequantize(blocks, self.qtype, self.cols, dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """fp32 ``x`` [n, cols] @ weights.T (+ ``bias``) → fp32 [n, rows] on the blocks, for
-        ``n`` ≤ :data:`MAX_ROWS`; None where the kernels do not run here."""
+        """fp32 or bf16 ``x`` [n, cols] @ weights.T (+ ``bias``) → [n, rows] in x's dtype on
+        the blocks, for ``n`` ≤ :data:`MAX_ROWS` (bf16: the fp32 result rounded to bf16); None
+        where the kernels do not run here."""
         kernels = quant_kernels()
         if kernels is None or x.shape[0] > MAX_ROWS:
             return None
-        b = None if bias is None else bias.float()
+        if x.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"QuantizedWeight.matmul takes float32 or bfloat16 x, not {x.dtype}")
+        b = bias if bias is None or bias.dtype in _KERNEL_DTYPES else bias.float()
         return kernels.matmul(x.contiguous(), self.blocks, self.qtype, self.cols, b)
 
     @property
@@ -95,7 +100,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad):
-            out = self.qweight.matmul(x.reshape(rows, self.in_features).float(), self.bias)
+            flat = x.reshape(rows, self.in_features)
+            if flat.dtype not in _KERNEL_DTYPES:
+                flat = flat.float()
+            out = self.qweight.matmul(flat, self.bias)
             if out is not None:
                 return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.qweight.dequantize(self.dtype), self.bias)

@@ -20,7 +20,7 @@
 // mul / add intrinsics), so that `dequantize` gives gguf's values bit for bit.
 //
 // `matmul` is x [n, cols] @ W.T for n <= 16 rows of x, reading each weight block once for
-// all n rows. The AVX2 build, per span, sums x * q in 8 lanes and scales that once
+// all n rows; x in float32, or in bf16 (widened on entry, the output rounded to bf16 on exit). The AVX2 build, per span, sums x * q in 8 lanes and scales that once
 // (sc * sum(x q)); a minimum adds mn * sum(x), x's sums over each 32 columns computed once per
 // call. Each (x row, weight row) pair has its own 8-lane accumulator that runs over the columns
 // in order (in registers for up to 8 rows of x at a time, or for 4 weight rows at a time when
@@ -334,11 +334,30 @@ inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
 }
 
 
-// x [n, cols] repacked by groups of kGroupOf<T> columns, [groups][n][kGroupOf<T>] (a short
-// last group zero-padded), so that one group of all n rows is contiguous.
-// Torch's allocator aligns it to 64 bytes: no 16-float load of it straddles two cache lines.
-template <class T>
-at::Tensor pack_x(const float* x, int64_t n, int64_t cols) {
+inline float widen(uint16_t bf16) {  // exact
+  const uint32_t u = uint32_t{bf16} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t round_bf16(float f) {  // c10::BFloat16's round to nearest even (NaN -> 0x7FC0)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// An output value: float32 as it is, or rounded to bf16 (what .to(torch.bfloat16) gives).
+inline void store(float* out, float v) { *out = v; }
+inline void store(uint16_t* out, float v) { *out = round_bf16(v); }
+
+// x [n, cols] (float32, or bf16 bits widened to float32) repacked by groups of kGroupOf<T>
+// columns, [groups][n][kGroupOf<T>] (a short last group zero-padded), so that one group of all
+// n rows is contiguous. Torch's allocator aligns it to 64 bytes: no 16-float load of it
+// straddles two cache lines.
+template <class T, typename In>
+at::Tensor pack_x(const In* x, int64_t n, int64_t cols) {
   constexpr int64_t kGroup = kGroupOf<T>;
   const int64_t groups = (cols + kGroup - 1) / kGroup;
   at::Tensor packed = at::zeros({groups * n * kGroup}, at::kFloat);
@@ -346,7 +365,10 @@ at::Tensor pack_x(const float* x, int64_t n, int64_t cols) {
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t width = std::min(kGroup, cols - g * kGroup);
-      std::memcpy(p + (g * n + i) * kGroup, x + i * cols + g * kGroup, width * 4);
+      float* dst = p + (g * n + i) * kGroup;
+      const In* src = x + i * cols + g * kGroup;
+      if constexpr (std::is_same_v<In, float>) std::memcpy(dst, src, width * 4);
+      else for (int64_t c = 0; c < width; ++c) dst[c] = widen(src[c]);
     }
   return packed;
 }
@@ -597,10 +619,10 @@ void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
     }
 }
 
-// out[i, r] for weight rows [r0, r1): out [n, rows]; x packed (pack_x).
-template <class T>
+// out[i, r] for weight rows [r0, r1): out [n, rows] (float32 or bf16); x packed (pack_x).
+template <class T, typename Out>
 void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
-                 const float* bias, int64_t rows, int64_t r0, int64_t r1, float* out) {
+                 const float* bias, int64_t rows, int64_t r0, int64_t r1, Out* out) {
   constexpr int64_t per_group = kGroup / T::kElems;
   constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
   alignas(64) float sc[kRowTile][per_group * kSc], mn[kRowTile][per_group * kMn];
@@ -630,7 +652,7 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
       for (int64_t i = 0; i < n; ++i) {
         float v = pair_sum(acc[r][i]);
         if (bias != nullptr) v += bias[t0 + r];
-        out[i * rows + t0 + r] = v;
+        store(out + i * rows + t0 + r, v);
       }
   }
 }
@@ -642,7 +664,8 @@ inline float acc_sum(__m256 v) { return hsum(v); }
 
 // x's sums that an offset multiplies, per 32 columns, [groups][n][kXs]: K types one float
 // per 32 columns (kGroupOf<T> / 32 per group), small types with an offset 8 lanes per 32
-// columns. 64-byte aligned as pack_x's; empty for the types without an offset.
+// columns, from x packed (pack_x). 64-byte aligned as pack_x's; empty for the types without
+// an offset.
 template <class T>
 constexpr int64_t kXs = T::kElems == 32 ? kGroupOf<T> / 4 : kGroupOf<T> / 32;
 
@@ -654,7 +677,7 @@ at::Tensor x_sums(const float* x, int64_t n, int64_t cols) {
   at::Tensor sums = at::zeros({groups * n * kXs<T>}, at::kFloat);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t u = 0; u < cols / 32; ++u) {
-      const float* p = x + i * cols + 32 * u;
+      const float* p = x + (u / kPer * n + i) * kGroupOf<T> + 32 * (u % kPer);
       const __m256 s01 = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
       const __m256 s23 = _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
       const __m256 s = _mm256_add_ps(s01, s23);
@@ -772,11 +795,12 @@ void dot_chunk(int64_t rows, const uint8_t* src, int64_t nb, const float* sc, co
   }
 }
 
-// out[i, r] for weight rows [r0, r1): out [n, rows]; x, xs packed (pack_x, x_sums).
-template <class T>
+// out[i, r] for weight rows [r0, r1): out [n, rows] (float32 or bf16); x, xs packed (pack_x,
+// x_sums).
+template <class T, typename Out>
 void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
                  const float* xs, const float* bias, int64_t rows, int64_t r0, int64_t r1,
-                 float* out) {
+                 Out* out) {
   constexpr int64_t per_group = kGroupOf<T> / T::kElems;
   constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
   // a lone row of x takes kRowTile weight rows at a time (dot_tile), but for Q6_K, which is
@@ -823,7 +847,7 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
       for (int64_t i = 0; i < n; ++i) {
         float v = acc_sum(acc[r][i]);
         if (bias != nullptr) v += bias[t0 + r];
-        out[i * rows + t0 + r] = v;
+        store(out + i * rows + t0 + r, v);
       }
   }
 }
@@ -909,11 +933,15 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
   return out;
 }
 
+// x @ W.T (+ bias) in x's dtype: float32, or bf16 (x widened, the float32 result rounded to
+// bf16, bit for bit what x.float(), bias.float() and .to(torch.bfloat16) around the float32
+// call give).
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t cols,
                   const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
                   x.is_contiguous(),
-              "matmul: x must be a contiguous 2-D float32 CPU tensor [n, cols]");
+              "matmul: x must be a contiguous 2-D float32 or bfloat16 CPU tensor [n, cols]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "matmul: x has ", x.size(0),
               " rows; expected 1 to ", kMaxRows);
   TORCH_CHECK(x.size(1) == cols, "matmul: x has ", x.size(1), " columns, expected ", cols);
@@ -922,30 +950,41 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, 
     using T = decltype(type);
     check_blocks<T>(blocks, cols, "matmul");
     const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), n = x.size(0);
-    const float* b = nullptr;
+    at::Tensor bias_f32;  // the bias as float32 (a bf16 bias widened)
     if (bias.has_value()) {
-      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
-                      bias->size(0) == rows && bias->is_contiguous(),
-                  "matmul: bias must be a contiguous float32 [rows] tensor");
-      b = bias->const_data_ptr<float>();
+      TORCH_CHECK((bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16) &&
+                      bias->dim() == 1 && bias->size(0) == rows && bias->is_contiguous(),
+                  "matmul: bias must be a contiguous float32 or bfloat16 [rows] tensor");
+      bias_f32 = *bias;
+      if (bias->scalar_type() == at::kBFloat16) {
+        bias_f32 = at::empty({rows}, at::kFloat);
+        const auto* h = reinterpret_cast<const uint16_t*>(bias->const_data_ptr<at::BFloat16>());
+        for (int64_t r = 0; r < rows; ++r) bias_f32.data_ptr<float>()[r] = widen(h[r]);
+      }
     }
+    const float* b = bias.has_value() ? bias_f32.const_data_ptr<float>() : nullptr;
     out = at::empty({n, rows}, x.options());
-    const float* xd = x.const_data_ptr<float>();
-    const at::Tensor packed = pack_x<T>(xd, n, cols);
+    const at::Tensor packed =
+        bf16 ? pack_x<T>(reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>()), n,
+                         cols)
+             : pack_x<T>(x.const_data_ptr<float>(), n, cols);
     const float* xp = packed.const_data_ptr<float>();
     const uint8_t* w = blocks.const_data_ptr<uint8_t>();
-    float* o = out.data_ptr<float>();
-#ifdef RAGBLEND_QUANT_512
-    for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
-      matmul_rows<T>(xp, n, cols, w, row_bytes, b, rows, r0, r1, o);
-    });
-#else
-    const at::Tensor sums = x_sums<T>(xd, n, cols);
+#ifndef RAGBLEND_QUANT_512
+    const at::Tensor sums = x_sums<T>(xp, n, cols);
     const float* xs = sums.const_data_ptr<float>();
-    for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
-      matmul_rows<T>(xp, n, cols, w, row_bytes, xs, b, rows, r0, r1, o);
-    });
 #endif
+    const auto run = [&](auto* o) {
+      for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
+#ifdef RAGBLEND_QUANT_512
+        matmul_rows<T>(xp, n, cols, w, row_bytes, b, rows, r0, r1, o);
+#else
+        matmul_rows<T>(xp, n, cols, w, row_bytes, xs, b, rows, r0, r1, o);
+#endif
+      });
+    };
+    if (bf16) run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    else run(out.data_ptr<float>());
   });
   return out;
 }
