@@ -18,6 +18,7 @@ from torch import nn
 from ragblend import BlendConfig, BlendEngine
 from ragblend.layer_decode import LayerDecoder, decode_batch
 from ragblend.models.loading import load_model
+from ragblend.models.packed import pack_decode_linears, qkv_projections
 from ragblend.models.quant_kernels import quant_kernels
 from ragblend.models.quantized import QuantEmbedding, QuantLinear, quantized_weights
 from ragblend.store.keys import model_fingerprint
@@ -115,6 +116,32 @@ def test_decode_rows_on_blocks_are_identical_alone_and_batched(family, tmp_path)
             engine.layers, prefills[i].cache, len(ids), len(ids) + 4, engine.native
         )
         assert torch.equal(alone.step(tokens[i]), batched[i])
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="the quantized kernels do not run on this CPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_fused_qkv_and_gate_up_on_blocks_decode_as_the_separate_linears(family, dtype, tmp_path):
+    path = _write(family, tmp_path)
+    engine = BlendEngine.from_pretrained(str(path), config=BlendConfig(dtype=dtype))
+    ids = engine.tokenize(QUESTION, CHUNKS[:2]).ids
+    prefill = engine.full_prefill(ids)
+    token = int(prefill.logits.argmax())
+
+    def step() -> torch.Tensor:
+        decoder = LayerDecoder.for_cache(
+            engine.layers, prefill.cache, len(ids), len(ids) + 2, engine.native
+        )
+        return decoder.step(token)
+
+    separate = step()
+    assert pack_decode_linears(engine.model) == 5 * engine.model.config.num_hidden_layers
+    attn = engine.model.model.layers[0].self_attn
+    x = torch.randn(3, 1, 256).to(getattr(torch, dtype))
+    fused = qkv_projections(attn, x)
+    for got, linear in zip(fused, (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
+        assert torch.equal(got, linear(x))
+    assert torch.equal(step(), separate)
 
 
 def test_types_without_a_kernel_load_dequantized_with_one_log_line(tmp_path, caplog):

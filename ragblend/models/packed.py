@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragblend import cpu
-from ragblend.models import dense_decode
+from ragblend.models import dense_decode, quantized
 from ragblend.models.dense_decode import DenseKernel
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,10 @@ def pack_decode_linears(model: nn.Module) -> int:
     more than half the available memory, nothing is packed; one log line per model says why,
     or which path bf16 decode steps take.
 
+    A GGUF model's linears over quantized blocks (:class:`ragblend.models.quantized.
+    QuantLinear`) need no packing, but their q/k/v and gate/up are fused the same way, on the
+    quantized kernels' ``matmul_cat`` (no copy; counted in the return value).
+
     Fused linears get no path of their own (oneDNN: that would be a third copy of their
     weights): their decode-step path is :func:`qkv_projections` and the MLP's ``forward``, which
     the layer-wise decoder uses; HF's own forward (decoding over a sliding-window cache) runs
@@ -135,10 +139,11 @@ def pack_decode_linears(model: nn.Module) -> int:
     """
     if getattr(model, _ATTR, False) or getattr(model, _TRIED, False):
         return 0
+    setattr(model, _TRIED, True)
+    fused_blocks = _fuse_quantized(model)
     linears = [m for m in model.modules() if _packable(m)]
     if not linears:
-        return 0
-    setattr(model, _TRIED, True)
+        return fused_blocks
     dtype = linears[0].weight.dtype
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
     native = native_bf16() if dtype == torch.bfloat16 else None
@@ -224,6 +229,25 @@ def _pack(model: nn.Module, native: DenseKernel | None, onednn: bool) -> int:
         packed += 1
     setattr(model, _ATTR, True)
     return packed
+
+
+def _fuse_quantized(model: nn.Module) -> int:
+    """q/k/v and gate/up over GGUF blocks fused for a decode step: one quantized-kernel call
+    each (:func:`ragblend.models.quantized.fused_matmul`; no copy); returns how many linears."""
+    fused = 0
+    for module in model.modules():
+        qkv = quantized.fused_matmul([getattr(module, name, None) for name in _QKV_NAMES])
+        if qkv is not None:
+            setattr(module, _QKV, Fused(quantized.MAX_ROWS, qkv))
+            fused += len(_QKV_NAMES)
+        if not callable(getattr(module, "act_fn", None)):
+            continue
+        gate_up = quantized.fused_matmul([getattr(module, name, None) for name in _GATE_UP_NAMES])
+        if gate_up is not None:
+            module.forward = _decode_mlp(module, Fused(quantized.MAX_ROWS, gate_up))
+            setattr(module, _ATTR, True)
+            fused += len(_GATE_UP_NAMES)
+    return fused
 
 
 def is_packed(model: nn.Module) -> bool:

@@ -81,10 +81,17 @@ class QuantKernels(NamedTuple):
     """The compiled ops. ``dequantize(blocks, qtype, cols, dtype)``: uint8 ``[rows,
     row_bytes]`` -> ``[rows, cols]`` in ``dtype`` (float32 or bfloat16).
     ``matmul(x, blocks, qtype, cols, bias)``: float32 or bf16 x ``[n, cols]`` (contiguous,
-    n <= 16), bias float32 or bf16 ``[rows]`` or None -> ``[n, rows]`` in x's dtype."""
+    n <= 16), bias float32 or bf16 ``[rows]`` or None -> ``[n, rows]`` in x's dtype.
+    ``matmul_cat(x, [blocks...], [qtype...], cols, [bias...])``: the same for several weights
+    of any types in one call, their outputs side by side ``[n, sum of rows]``, each one's
+    values what ``matmul`` gives for it."""
 
     dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor]
     matmul: Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor]
+    matmul_cat: Callable[
+        [torch.Tensor, list[torch.Tensor], list[int], int, list[torch.Tensor | None]],
+        torch.Tensor,
+    ]
     level: str  # the CPU level of the build these are
 
 
@@ -160,9 +167,10 @@ def _first_build() -> QuantKernels | str:
 def _build(build: Build) -> QuantKernels:
     log.info("loading ragblend's %s quantized-weight kernels (compiled once)", build.level)
     ops = load_ops(build.name, ["quant_blocks.cpp"], build.flags)
-    kernels = QuantKernels(ops.dequantize, ops.matmul, build.level)
+    kernels = QuantKernels(ops.dequantize, ops.matmul, ops.matmul_cat, build.level)
     for qtype in QUANT_TYPES:
         _check(kernels, qtype)
+    _check_cat(kernels)
     return kernels
 
 
@@ -199,3 +207,16 @@ def _check(kernels: QuantKernels, qtype: int) -> None:
     want = kernels.matmul(x16.float(), blocks, qtype, 512, bias16.float()).bfloat16()
     if not torch.equal(kernels.matmul(x16, blocks, qtype, 512, bias16), want):
         raise RuntimeError(f"{name} bf16 matmul is not the float32 one rounded to bf16")
+
+
+def _check_cat(kernels: QuantKernels) -> None:
+    """RuntimeError unless matmul_cat over weights of three types (one with a bias) gives
+    each one's matmul side by side, bit for bit, in float32 and bf16."""
+    gen = torch.Generator().manual_seed(99)
+    qtypes = [6, 8, 12]  # Q5_0, Q8_0, Q4_K: as a Qwen2.5 file's q, v and a K-quant's
+    blocks = [random_blocks(rows, 512, q, gen) for rows, q in zip((70, 9, 33), qtypes)]
+    biases = [torch.randn(70, generator=gen), None, None]
+    for x in (torch.randn(3, 512, generator=gen), torch.randn(2, 512, generator=gen).bfloat16()):
+        parts = [kernels.matmul(x, b, q, 512, c) for b, q, c in zip(blocks, qtypes, biases)]
+        if not torch.equal(kernels.matmul_cat(x, blocks, qtypes, 512, biases), torch.cat(parts, 1)):
+            raise RuntimeError("matmul_cat is not each weight's matmul side by side")

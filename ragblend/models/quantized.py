@@ -20,6 +20,7 @@ through the ``gguf`` package and runs ``F.linear``: slower, the same values.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,36 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"type={self.qweight.type_name}, bias={self.bias is not None}"
         )
+
+
+def fused_matmul(
+    linears: Sequence[nn.Module | None],
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
+    """One kernel call for several :class:`QuantLinear` that read the same input (an
+    attention's q/k/v, an MLP's gate/up): ``x`` [..., cols] of at most :data:`MAX_ROWS` rows ->
+    each linear's output, the same values as its own forward, in x's dtype; None unless they
+    are all QuantLinear of one input size and the kernels run here."""
+    kernels = quant_kernels()
+    if kernels is None or not linears or not all(isinstance(m, QuantLinear) for m in linears):
+        return None
+    layers = [m for m in linears if isinstance(m, QuantLinear)]
+    cols = layers[0].in_features
+    if any(m.in_features != cols for m in layers):
+        return None
+    blocks = [m.qweight.blocks for m in layers]
+    qtypes = [m.qweight.qtype for m in layers]
+    biases = [None if m.bias is None else m.bias.detach() for m in layers]
+    biases = [b if b is None or b.dtype in _KERNEL_DTYPES else b.float() for b in biases]
+    sizes = [m.out_features for m in layers]
+
+    def call(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = x.reshape(-1, cols)
+        if flat.dtype not in _KERNEL_DTYPES:
+            flat = flat.float()
+        out = kernels.matmul_cat(flat.contiguous(), blocks, qtypes, cols, biases)
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1]).split(sizes, dim=-1)
+
+    return call
 
 
 class QuantEmbedding(nn.Module):

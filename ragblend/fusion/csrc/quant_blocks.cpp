@@ -41,9 +41,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "unroll.h"
 
@@ -933,11 +935,37 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
   return out;
 }
 
-// x @ W.T (+ bias) in x's dtype: float32, or bf16 (x widened, the float32 result rounded to
-// bf16, bit for bit what x.float(), bias.float() and .to(torch.bfloat16) around the float32
-// call give).
-at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t cols,
-                  const std::optional<at::Tensor>& bias) {
+// A bias as float32 (a bf16 one widened into `keep`), or nullptr for none.
+const float* float_bias(const std::optional<at::Tensor>& bias, int64_t rows, at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK((bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16) &&
+                  bias->dim() == 1 && bias->size(0) == rows && bias->is_contiguous(),
+              "matmul: bias must be a contiguous float32 or bfloat16 [rows] tensor");
+  keep = *bias;
+  if (bias->scalar_type() == at::kBFloat16) {
+    keep = at::empty({rows}, at::kFloat);
+    const auto* h = reinterpret_cast<const uint16_t*>(bias->const_data_ptr<at::BFloat16>());
+    float* f = keep.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) f[r] = widen(h[r]);
+  }
+  return keep.const_data_ptr<float>();
+}
+
+// One weight of a matmul_cat call: rows [r0, r1) of its output (its type's kernel, bound to
+// x packed for it), and the tensors that must live while it runs.
+struct Part {
+  int64_t rows;
+  std::function<void(int64_t, int64_t)> run;
+  at::Tensor packed, sums, bias;
+};
+
+// x @ [W_0; W_1; ...].T (+ each one's bias): their outputs side by side, [n, sum of rows], in
+// x's dtype: float32, or bf16 (x widened, the float32 result rounded to bf16, bit for bit what
+// x.float(), bias.float() and .to(torch.bfloat16) around the float32 call give). Each weight
+// has its own type; its columns are the same values `matmul` gives for it alone. One parallel
+// region takes every weight's row tasks (a decode step's q/k/v or gate/up in one call).
+at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes,
+                      int64_t cols, const c10::List<std::optional<at::Tensor>>& biases) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
                   x.is_contiguous(),
@@ -945,48 +973,66 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, 
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "matmul: x has ", x.size(0),
               " rows; expected 1 to ", kMaxRows);
   TORCH_CHECK(x.size(1) == cols, "matmul: x has ", x.size(1), " columns, expected ", cols);
-  at::Tensor out;
-  dispatch(qtype, [&](auto type) {
-    using T = decltype(type);
-    check_blocks<T>(blocks, cols, "matmul");
-    const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), n = x.size(0);
-    at::Tensor bias_f32;  // the bias as float32 (a bf16 bias widened)
-    if (bias.has_value()) {
-      TORCH_CHECK((bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16) &&
-                      bias->dim() == 1 && bias->size(0) == rows && bias->is_contiguous(),
-                  "matmul: bias must be a contiguous float32 or bfloat16 [rows] tensor");
-      bias_f32 = *bias;
-      if (bias->scalar_type() == at::kBFloat16) {
-        bias_f32 = at::empty({rows}, at::kFloat);
-        const auto* h = reinterpret_cast<const uint16_t*>(bias->const_data_ptr<at::BFloat16>());
-        for (int64_t r = 0; r < rows; ++r) bias_f32.data_ptr<float>()[r] = widen(h[r]);
-      }
-    }
-    const float* b = bias.has_value() ? bias_f32.const_data_ptr<float>() : nullptr;
-    out = at::empty({n, rows}, x.options());
-    const at::Tensor packed =
-        bf16 ? pack_x<T>(reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>()), n,
-                         cols)
-             : pack_x<T>(x.const_data_ptr<float>(), n, cols);
-    const float* xp = packed.const_data_ptr<float>();
-    const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+  TORCH_CHECK(!blocks.empty() && qtypes.size() == blocks.size() && biases.size() == blocks.size(),
+              "matmul_cat: one qtype and one bias (or None) per weight, and at least one weight");
+  const int64_t n = x.size(0);
+  int64_t total = 0;
+  for (const at::Tensor& b : blocks) total += b.dim() == 2 ? b.size(0) : 0;
+  at::Tensor out = at::empty({n, total}, x.options());
+  std::vector<Part> parts;
+  int64_t offset = 0;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    dispatch(qtypes[k], [&](auto type) {
+      using T = decltype(type);
+      check_blocks<T>(blocks[k], cols, "matmul");
+      Part part;
+      part.rows = blocks[k].size(0);
+      const int64_t row_bytes = blocks[k].size(1);
+      const float* b = float_bias(biases.get(k), part.rows, part.bias);
+      part.packed = bf16 ? pack_x<T>(reinterpret_cast<const uint16_t*>(
+                                         x.const_data_ptr<at::BFloat16>()), n, cols)
+                         : pack_x<T>(x.const_data_ptr<float>(), n, cols);
+      const float* xp = part.packed.const_data_ptr<float>();
+      const uint8_t* w = blocks[k].const_data_ptr<uint8_t>();
 #ifndef RAGBLEND_QUANT_512
-    const at::Tensor sums = x_sums<T>(xp, n, cols);
-    const float* xs = sums.const_data_ptr<float>();
+      part.sums = x_sums<T>(xp, n, cols);
+      const float* xs = part.sums.const_data_ptr<float>();
 #endif
-    const auto run = [&](auto* o) {
-      for_row_tasks(rows, kMatmulTask, [&](int64_t r0, int64_t r1) {
+      const auto bind = [&](auto* o) {
+        part.run = [=](int64_t r0, int64_t r1) {
 #ifdef RAGBLEND_QUANT_512
-        matmul_rows<T>(xp, n, cols, w, row_bytes, b, rows, r0, r1, o);
+          matmul_rows<T>(xp, n, cols, w, row_bytes, b, total, r0, r1, o);
 #else
-        matmul_rows<T>(xp, n, cols, w, row_bytes, xs, b, rows, r0, r1, o);
+          matmul_rows<T>(xp, n, cols, w, row_bytes, xs, b, total, r0, r1, o);
 #endif
-      });
-    };
-    if (bf16) run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-    else run(out.data_ptr<float>());
+        };
+      };
+      if (bf16) bind(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + offset);
+      else bind(out.data_ptr<float>() + offset);
+      offset += part.rows;
+      parts.push_back(std::move(part));
+    });
+  }
+  // tasks of kMatmulTask rows over all parts, which the threads take in turn (for_row_tasks)
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (part, first row)
+  for (size_t k = 0; k < parts.size(); ++k)
+    for (int64_t r0 = 0; r0 < parts[k].rows; r0 += kMatmulTask) tasks.emplace_back(k, r0);
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < count; t = next++) {
+      const Part& part = parts[tasks[t].first];
+      part.run(tasks[t].second, std::min(part.rows, tasks[t].second + kMatmulTask));
+    }
   });
   return out;
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t cols,
+                  const std::optional<at::Tensor>& bias) {
+  c10::List<std::optional<at::Tensor>> biases;
+  biases.push_back(bias);
+  return matmul_cat(x, {blocks}, {qtype}, cols, biases);
 }
 
 }  // namespace
@@ -994,9 +1040,13 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, 
 TORCH_LIBRARY_FRAGMENT(RAGBLEND_QUANT_NS, m) {
   m.def("dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype) -> Tensor");
   m.def("matmul(Tensor x, Tensor blocks, int qtype, int cols, Tensor? bias) -> Tensor");
+  m.def(
+      "matmul_cat(Tensor x, Tensor[] blocks, int[] qtypes, int cols, Tensor?[] biases) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(RAGBLEND_QUANT_NS, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("matmul", &matmul);
+  m.impl("matmul_cat", &matmul_cat);
 }
