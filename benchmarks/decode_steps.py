@@ -1,0 +1,102 @@
+"""Decode-step time of 1, 4 and 8 concurrent requests: what one step of a server's batch costs.
+
+    python benchmarks/decode_steps.py --out out/decode_steps.json
+    python benchmarks/decode_steps.py --model qwen2.5-0.5b-Q4_K_M.gguf --out …
+
+For each ``--prompt-sizes`` entry ``KxN`` (the first MuSiQue dev case with its top K chunks of
+N tokens and the question), one full prefill; then ``ragblend.layer_decode.decode_batch``
+steps of B decoders over copies of its cache, for each B of ``--batches`` in turn per repeat
+(interleaved, so that a noisy neighbour hits all batch sizes alike), every repeat from the
+same position. Reports the median ms per step over ``--repeats`` (each the mean of ``--steps``
+steps) and ``ratio``: B requests' aggregate rate over one request's, the figure a server's
+concurrent streams approach (``benchmarks/serve_load.py`` measures it through HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ragblend import BlendConfig, BlendEngine, cpu
+from ragblend.bench.datasets import default_dataset, load_cases
+from ragblend.layer_decode import decode_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded", help="a GGUF file or HF directory")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weights", default="auto", help="auto (keep GGUF blocks) or dequantize")
+    parser.add_argument("--prompt-sizes", default="6x512,6x150", help="KxN: K chunks of N tokens")
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="steps per timing")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", default="out/decode_steps.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    config = BlendConfig(dtype=args.dtype, weights=args.weights)
+    engine = BlendEngine.from_pretrained(args.model, config=config)
+    engine.prepare_decode()
+    results = {}
+    for size in args.prompt_sizes.split(","):
+        chunks, tokens = (int(v) for v in size.split("x"))
+        case = load_cases(default_dataset(), engine.tokenizer, chunks, tokens, 1)[0]
+        prompt = engine.tokenize(case.question, case.chunks)
+        prefill = engine.prefill(prompt, "full")
+        room = args.steps * (args.repeats + 1) + 1
+        decoders = [engine.decoder(prefill, room) for _ in range(max(batches))]
+        times: dict[int, list[float]] = {b: [] for b in batches}
+        for repeat in range(args.repeats + 1):  # the first: warm-up, not counted
+            for b in batches:
+                for d in decoders[:b]:
+                    d.position = len(prompt)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    decode_batch(decoders[:b], [100] * b)
+                if repeat:
+                    times[b].append((time.perf_counter() - t0) / args.steps * 1e3)
+        ms = {b: statistics.median(v) for b, v in times.items()}
+        one = ms[batches[0]] / batches[0]
+        results[size] = {
+            "prompt_tokens": len(prompt),
+            "ms_per_step": {str(b): round(m, 3) for b, m in ms.items()},
+            "ratio": {str(b): round(b * one / m, 3) for b, m in ms.items()},
+        }
+        print(
+            f"{size} ({len(prompt)} tokens): "
+            + "  ".join(f"B={b} {ms[b]:.1f} ms ({b * one / ms[b]:.2f}x)" for b in batches),
+            flush=True,
+        )
+    report = {
+        "benchmark": "decode_steps",
+        "settings": {
+            "model": args.model,
+            "dtype": str(engine.layers.dtype).removeprefix("torch."),
+            "decode_path": engine.decode_path,
+            "repeats": args.repeats,
+            "steps": args.steps,
+            "threads": args.threads,
+        },
+        "cpu": cpu.cpu_model(),
+        "cpu_isa": cpu.cpu_isa(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "results": results,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
