@@ -54,8 +54,8 @@ AUTO_BY_LEVEL: dict[str, AutoChoice] = {
         BF16,
         BF16,
         "AMD EPYC Zen 5, 2026-11-26, benchmarks/quant_weights.py (amd-avx512bf16/)",
-        "bf16 vs fp32: blend 341 vs 1182 ms, decode 84.3 vs 69.3 tok/s, blend + 64 tokens "
-        "1100 vs 2106 ms (kept Q4_1; dequantized: decode 81.8 vs 45.1 tok/s)",
+        "bf16 vs fp32: blend 346 vs 1190 ms, decode 90.6 vs 72.2 tok/s, blend + 64 tokens "
+        "1053 vs 2077 ms (kept Q4_1; dequantized: decode 81.9 vs 44.3 tok/s)",
     ),
     "amx": AutoChoice(
         BF16,

@@ -4,7 +4,7 @@ A quantized weight is ggml's blocks as a GGUF file stores them: a uint8 tensor
 ``[rows, row_bytes]`` (``gguf.GGUFReader(...).tensors[i].data``), each row ``cols`` weights in
 ``cols / block_elems`` consecutive blocks of one of :data:`QUANT_TYPES`.
 ``ragblend/fusion/csrc/quant_blocks.cpp`` (built for AVX2 + FMA + F16C, and for AVX512 where the
-CPU level has it: a matmul twice as wide) has two ops on them:
+CPU level has it: a matmul twice as wide) has three ops on them:
 
 - ``dequantize(blocks, qtype, cols, dtype) -> [rows, cols]``: float32 values equal to the gguf
   package's ``gguf.dequantize`` bit for bit (the same float32 products and sums in the same
@@ -16,6 +16,9 @@ CPU level has it: a matmul twice as wide) has two ops on them:
   x and the output are float32 or both bf16 (the bias either): in bf16, bit for bit the
   float32 call on ``x.float()`` and ``bias.float()`` rounded ``.to(torch.bfloat16)``, without
   those conversions' own calls.
+- ``matmul_cat(x, [blocks, ...], [qtype, ...], cols, [bias | None, ...]) -> [n, sum of rows]``:
+  ``matmul`` of several weights of any types (an attention's q/k/v, an MLP's gate/up) in one
+  call, their outputs side by side, each one's values what ``matmul`` gives it alone.
 
 :func:`quant_kernels` builds them once per process, for the highest of :data:`BUILDS` the CPU
 level allows (:mod:`ragblend.cpu`), and checks them on random blocks of every type against
