@@ -200,7 +200,10 @@ def test_empty_weights_give_empty_outputs():
         (lambda k, b, x: k.matmul(x.t(), b, 12, 512, None), "contiguous"),
         (lambda k, b, x: k.matmul_cat(x, [b, b], [12], 512, [None, None]), "one qtype"),
         (lambda k, b, x: k.matmul_cat(x, [], [], 512, []), "at least one"),
-        (lambda k, b, x: k.matmul_cat(x, [b, b[:, :144]], [12, 12], 512, [None, None]), "bytes"),
+        (
+            lambda k, b, x: k.matmul_cat(x, [b, b[:, :144].contiguous()], [12] * 2, 512, [None] * 2),
+            "bytes",
+        ),
         (lambda k, b, x: k.dequantize(b.float(), 12, 512, torch.float32), "uint8"),
         (lambda k, b, x: k.dequantize(b[:, :200], 12, 512, torch.float32), "contiguous"),
         (lambda k, b, x: k.dequantize(b[:, :144].contiguous(), 12, 512, torch.float32), "bytes"),
