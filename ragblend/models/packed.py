@@ -140,7 +140,7 @@ def pack_decode_linears(model: nn.Module) -> int:
     if getattr(model, _ATTR, False) or getattr(model, _TRIED, False):
         return 0
     setattr(model, _TRIED, True)
-    fused_blocks = _fuse_quantized(model)
+    fused_blocks = len(_fuse_groups(model, _fused_blocks))
     linears = [m for m in model.modules() if _packable(m)]
     if not linears:
         return fused_blocks
@@ -205,18 +205,7 @@ def native_bf16() -> DenseKernel | None:
 
 
 def _pack(model: nn.Module, native: DenseKernel | None, onednn: bool) -> int:
-    fused: set[int] = set()
-    for module in model.modules():
-        qkv = _fused(module, _QKV_NAMES, native, onednn)
-        if qkv is not None:
-            setattr(module, _QKV, qkv)
-            fused.update(id(getattr(module, name)) for name in _QKV_NAMES)
-        gated = callable(getattr(module, "act_fn", None))
-        gate_up = _fused(module, _GATE_UP_NAMES, native, onednn) if gated else None
-        if gate_up is not None:
-            module.forward = _decode_mlp(module, gate_up)
-            setattr(module, _ATTR, True)
-            fused.update(id(getattr(module, name)) for name in _GATE_UP_NAMES)
+    fused = _fuse_groups(model, lambda module, names: _fused(module, names, native, onednn))
     packed = len(fused)
     for module in model.modules():
         if not _packable(module) or id(module) in fused or getattr(module, _ATTR, False):
@@ -231,23 +220,32 @@ def _pack(model: nn.Module, native: DenseKernel | None, onednn: bool) -> int:
     return packed
 
 
-def _fuse_quantized(model: nn.Module) -> int:
-    """q/k/v and gate/up over GGUF blocks fused for a decode step: one quantized-kernel call
-    each (:func:`ragblend.models.quantized.fused_matmul`; no copy); returns how many linears."""
-    fused = 0
+def _fuse_groups(
+    model: nn.Module, fuse: Callable[[nn.Module, Sequence[str]], Fused | None]
+) -> set[int]:
+    """Each module's q/k/v and, in a gated MLP, gate/up as ``fuse`` fuses them (None: left
+    as they are): the attention's decode path (:func:`qkv_projections`) and the MLP's
+    ``forward``; returns the ids of the linears fused."""
+    fused: set[int] = set()
     for module in model.modules():
-        qkv = quantized.fused_matmul([getattr(module, name, None) for name in _QKV_NAMES])
+        qkv = fuse(module, _QKV_NAMES)
         if qkv is not None:
-            setattr(module, _QKV, Fused(quantized.MAX_ROWS, qkv))
-            fused += len(_QKV_NAMES)
-        if not callable(getattr(module, "act_fn", None)):
-            continue
-        gate_up = quantized.fused_matmul([getattr(module, name, None) for name in _GATE_UP_NAMES])
+            setattr(module, _QKV, qkv)
+            fused.update(id(getattr(module, name)) for name in _QKV_NAMES)
+        gated = callable(getattr(module, "act_fn", None))
+        gate_up = fuse(module, _GATE_UP_NAMES) if gated else None
         if gate_up is not None:
-            module.forward = _decode_mlp(module, Fused(quantized.MAX_ROWS, gate_up))
+            module.forward = _decode_mlp(module, gate_up)
             setattr(module, _ATTR, True)
-            fused += len(_GATE_UP_NAMES)
+            fused.update(id(getattr(module, name)) for name in _GATE_UP_NAMES)
     return fused
+
+
+def _fused_blocks(module: nn.Module, names: Sequence[str]) -> Fused | None:
+    """``module``'s linears ``names`` over GGUF blocks in one quantized-kernel call
+    (:func:`ragblend.models.quantized.fused_matmul`; no copy), or None."""
+    call = quantized.fused_matmul([getattr(module, name, None) for name in names])
+    return None if call is None else Fused(quantized.MAX_ROWS, call)
 
 
 def is_packed(model: nn.Module) -> bool:
