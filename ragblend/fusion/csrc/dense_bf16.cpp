@@ -29,7 +29,6 @@
 // by up to kTileG rows of x keep 16 instruction chains in flight.
 #pragma GCC optimize("fp-contract=off")
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -38,13 +37,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
 
+#include "task_queue.h"
 #include "unroll.h"
 
 namespace {
@@ -325,16 +324,10 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList weights,
       pack_x(reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>()), n, cols);
   const auto* xp = static_cast<const XT*>(packed.const_data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // threads take tasks in turn (a thread that starts late leaves more to the others); a row's
-  // values do not depend on which thread computes it
-  const int64_t count = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < count; t = next++) {
-      const Task& task = tasks[t];
-      matmul_rows(xp, n, cols, task.w, task.bias, task.r0, task.r1, o + task.offset,
-                  total);
-    }
+  // a row's values do not depend on which thread computes it
+  ragblend::for_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Task& task = tasks[t];
+    matmul_rows(xp, n, cols, task.w, task.bias, task.r0, task.r1, o + task.offset, total);
   });
   return out;
 }

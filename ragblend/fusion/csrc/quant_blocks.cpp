@@ -28,7 +28,6 @@
 // the same bit for bit whatever n and however the weight rows are split between threads.
 #pragma GCC optimize("fp-contract=off")
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -38,7 +37,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -47,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "task_queue.h"
 #include "unroll.h"
 
 // The op namespace: ragblend_quant for the AVX2 build, another for a wider one (its -D flag).
@@ -76,6 +75,7 @@ constexpr int64_t kGroupOf = T::kElems == 256 && T::kSpan == 32 ? 1024 : 256;
 #endif
 constexpr float kQ = 1.0f / 16777216.0f;  // 2^-24
 
+using ragblend::for_tasks;
 using ragblend::unroll;
 
 inline float f16(const uint8_t* p) {
@@ -872,16 +872,12 @@ void dispatch(int64_t qtype, F&& f) {
   }
 }
 
-// f(r0, r1) over [0, rows) in tasks of `task` rows, which at::parallel_for's threads take in
-// turn: a thread that starts late or runs slow (a busy machine) leaves more of the work to the
-// others than a static split would. Each row's values do not depend on the split.
+// f(r0, r1) over [0, rows) in tasks of `task` rows (for_tasks). Each row's values do not
+// depend on the split.
 template <class F>
 void for_row_tasks(int64_t rows, int64_t task, const F& f) {
-  const int64_t tasks = (rows + task - 1) / task;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < tasks; t = next++) f(t * task, std::min(rows, (t + 1) * task));
-  });
+  for_tasks((rows + task - 1) / task,
+            [&](int64_t t) { f(t * task, std::min(rows, (t + 1) * task)); });
 }
 
 // A large output's fresh pages, first touched by the kernel: one page fault per 4 kB costs
@@ -956,8 +952,24 @@ const float* float_bias(const std::optional<at::Tensor>& bias, int64_t rows, at:
 struct Part {
   int64_t rows;
   std::function<void(int64_t, int64_t)> run;
-  at::Tensor packed, sums, bias;
+  at::Tensor sums, bias;
 };
+
+// x packed for type T (pack_x): the copy in `packs` a type of the same group width made, else
+// a new one kept there (a Qwen2.5 file's q/k/v are Q5_0, Q5_0 and Q8_0: one copy).
+template <class T>
+const float* packed_x(const at::Tensor& x, int64_t cols,
+                      std::vector<std::pair<int64_t, at::Tensor>>& packs) {
+  for (const std::pair<int64_t, at::Tensor>& pack : packs)
+    if (pack.first == kGroupOf<T>) return pack.second.const_data_ptr<float>();
+  const int64_t n = x.size(0);
+  packs.emplace_back(kGroupOf<T>,
+                     x.scalar_type() == at::kBFloat16
+                         ? pack_x<T>(reinterpret_cast<const uint16_t*>(
+                                         x.const_data_ptr<at::BFloat16>()), n, cols)
+                         : pack_x<T>(x.const_data_ptr<float>(), n, cols));
+  return packs.back().second.const_data_ptr<float>();
+}
 
 // x @ [W_0; W_1; ...].T (+ each one's bias): their outputs side by side, [n, sum of rows], in
 // x's dtype: float32, or bf16 (x widened, the float32 result rounded to bf16, bit for bit what
@@ -980,6 +992,7 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
   for (const at::Tensor& b : blocks) total += b.dim() == 2 ? b.size(0) : 0;
   at::Tensor out = at::empty({n, total}, x.options());
   std::vector<Part> parts;
+  std::vector<std::pair<int64_t, at::Tensor>> packs;  // x packed, per group width
   int64_t offset = 0;
   for (size_t k = 0; k < blocks.size(); ++k) {
     dispatch(qtypes[k], [&](auto type) {
@@ -989,10 +1002,7 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       part.rows = blocks[k].size(0);
       const int64_t row_bytes = blocks[k].size(1);
       const float* b = float_bias(biases.get(k), part.rows, part.bias);
-      part.packed = bf16 ? pack_x<T>(reinterpret_cast<const uint16_t*>(
-                                         x.const_data_ptr<at::BFloat16>()), n, cols)
-                         : pack_x<T>(x.const_data_ptr<float>(), n, cols);
-      const float* xp = part.packed.const_data_ptr<float>();
+      const float* xp = packed_x<T>(x, cols, packs);
       const uint8_t* w = blocks[k].const_data_ptr<uint8_t>();
 #ifndef RAGBLEND_QUANT_512
       part.sums = x_sums<T>(xp, n, cols);
@@ -1013,17 +1023,12 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       parts.push_back(std::move(part));
     });
   }
-  // tasks of kMatmulTask rows over all parts, which the threads take in turn (for_row_tasks)
-  std::vector<std::pair<size_t, int64_t>> tasks;  // (part, first row)
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (part, first row): kMatmulTask rows each
   for (size_t k = 0; k < parts.size(); ++k)
     for (int64_t r0 = 0; r0 < parts[k].rows; r0 += kMatmulTask) tasks.emplace_back(k, r0);
-  const int64_t count = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < count; t = next++) {
-      const Part& part = parts[tasks[t].first];
-      part.run(tasks[t].second, std::min(part.rows, tasks[t].second + kMatmulTask));
-    }
+  for_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Part& part = parts[tasks[t].first];
+    part.run(tasks[t].second, std::min(part.rows, tasks[t].second + kMatmulTask));
   });
   return out;
 }
