@@ -15,16 +15,15 @@ concurrent streams approach (``benchmarks/serve_load.py`` measures it through HT
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from ragblend import BlendConfig, BlendEngine, cpu
+from ragblend import BlendConfig, BlendEngine
 from ragblend.bench.datasets import default_dataset, load_cases
+from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.layer_decode import decode_batch
 
 
@@ -85,17 +84,10 @@ def main() -> None:
             "steps": args.steps,
             "threads": args.threads,
         },
-        "cpu": cpu.cpu_model(),
-        "cpu_isa": cpu.cpu_isa(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **cpu_environment(),
         "results": results,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(Path(args.out), report)
 
 
 if __name__ == "__main__":

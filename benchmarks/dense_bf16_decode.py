@@ -24,8 +24,6 @@ unfused, plus the LM head) from those medians.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ragblend import cpu
+from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.models.dense_decode import dense_kernel
 
 # SmolLM2-135M: name -> (rows, cols), and how many of it one decode step runs
@@ -113,20 +111,13 @@ def main() -> None:
         "benchmark": "dense_bf16_decode",
         "threads": args.threads,
         "repeats": args.repeats,
-        "cpu": cpu.cpu_model(),
-        "cpu_isa": cpu.cpu_isa(),
+        **cpu_environment(),
         "native_build": getattr(dense_kernel(), "level", None),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "shapes": {name: list(shape) for name, (shape, _) in SHAPES.items()},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "per_call_us": results,
         "step_ms": steps,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "dense_bf16_decode.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(args.out / "dense_bf16_decode.json", report)
 
 
 if __name__ == "__main__":

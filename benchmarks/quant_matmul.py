@@ -16,8 +16,6 @@ memory as a decode step reads it.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ragblend import cpu
+from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.models.quant_kernels import (
     QUANT_TYPES,
     dequantize_reference,
@@ -114,19 +112,12 @@ def main() -> None:
         "shape": [rows, cols],
         "threads": args.threads,
         "repeats": args.repeats,
-        "cpu": cpu.cpu_model(),
-        "cpu_isa": cpu.cpu_isa(),
+        **cpu_environment(),
         "kernel_build": kernels.level if (kernels := quant_kernels()) else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "types": list(types),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "results": results,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(Path(args.out), report)
 
 
 if __name__ == "__main__":

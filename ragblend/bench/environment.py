@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ragblend import cpu
 
 
 def environment(device: torch.device) -> dict:
@@ -56,6 +59,25 @@ def environment(device: torch.device) -> dict:
     if smi is not None:
         env["nvidia_smi"] = smi
     return env
+
+
+def cpu_environment() -> dict:
+    """The CPU's model and ragblend level, torch's and Python's versions and the local date:
+    what a CPU kernel benchmark records beside its results."""
+    return {
+        "cpu": cpu.cpu_model(),
+        "cpu_isa": cpu.cpu_isa(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_report(path: Path, report: dict) -> None:
+    """``report`` as indented JSON at ``path`` (its directory made); prints where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def nvidia_smi() -> str | None:
