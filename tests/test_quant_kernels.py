@@ -1,6 +1,8 @@
 """The native kernels on GGUF quantized blocks: dequantize equals the gguf package bit for bit,
-matmul equals ``x @ dequantized.T (+ bias)`` to float32 rounding, a row's matmul output is the
-same alone and in a batch, and bad input is a clear error.
+matmul equals ``x @ dequantized.T (+ bias)`` to float32 rounding (bf16 x in the
+``avx512_bf16`` build: ``F.linear`` on the weights rounded to bf16 within the dense bf16
+kernel's tolerance), a row's matmul output is the same alone and in a batch, and bad input is
+a clear error.
 
 Oracle: ``gguf.dequantize`` (numpy) on the same blocks (:func:`dequantize_reference`). The
 matmul tolerance is :func:`matmul_tolerance`: 1e-4 of ``|x| @ |W|.T`` plus 1e-6 per output,
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from ragblend.models.dense_decode import tolerance
 from ragblend.models.quant_kernels import (
     MAX_ROWS,
     QUANT_TYPES,
@@ -135,6 +139,10 @@ def test_matmul_equals_x_times_dequantized_weights(qtype):
         assert bool(((got - want).abs() <= matmul_tolerance(x, ref)).all()), f"n={n}"
 
 
+@pytest.mark.skipif(
+    KERNELS is not None and KERNELS.bf16_products,
+    reason="the avx512_bf16 build multiplies bf16 weights (test_bf16_products_matmul_...)",
+)
 @pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
 def test_bf16_matmul_is_the_float32_matmul_rounded_to_bf16(qtype):
     cols = 512 if qtype in K_TYPES else 96 * 3
@@ -150,6 +158,31 @@ def test_bf16_matmul_is_the_float32_matmul_rounded_to_bf16(qtype):
             assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"n={n}"
     one = _kernels().matmul(x[5:6].contiguous(), blocks, qtype, cols, bias)
     assert torch.equal(one[0], _kernels().matmul(x, blocks, qtype, cols, bias)[5])
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.bf16_products, reason="only the avx512_bf16 build"
+)
+@pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
+def test_bf16_products_matmul_is_f_linear_on_the_weights_rounded_to_bf16(qtype):
+    # widths with an odd number of blocks in a group of 1024 columns, and two groups
+    for cols in [512, 1280] if qtype in K_TYPES else [96 * 3, 1056]:
+        blocks, _ = _case(qtype, 37, cols, seed=6)
+        weight = _kernels().dequantize(blocks, qtype, cols, torch.bfloat16)
+        gen = torch.Generator().manual_seed(qtype + 200)
+        x = torch.randn(MAX_ROWS, cols, generator=gen).bfloat16()
+        bias = torch.randn(37, generator=gen).bfloat16()
+        batched = _kernels().matmul(x, blocks, qtype, cols, bias)
+        for n in (1, 3, 8, MAX_ROWS):
+            for b in (None, bias):
+                got = _kernels().matmul(x[:n].contiguous(), blocks, qtype, cols, b)
+                want = F.linear(x[:n], weight, b)
+                bound = tolerance(x[:n], weight, got, want)
+                assert got.dtype == torch.bfloat16, f"n={n}"
+                assert bool(((got.float() - want.float()).abs() <= bound).all()), f"n={n}"
+        for i in range(MAX_ROWS):
+            alone = _kernels().matmul(x[i : i + 1].contiguous(), blocks, qtype, cols, bias)
+            assert torch.equal(alone[0], batched[i]), f"row {i}"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])

@@ -68,8 +68,9 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """fp32 or bf16 ``x`` [n, cols] @ weights.T (+ ``bias``) → [n, rows] in x's dtype on
-        the blocks, for ``n`` ≤ :data:`MAX_ROWS` (bf16: the fp32 result rounded to bf16); None
-        where the kernels do not run here."""
+        the blocks, for ``n`` ≤ :data:`MAX_ROWS` (bf16: the fp32 result rounded to bf16, or
+        with ``avx512_bf16`` kernels the products of the weights rounded to bf16, as
+        :mod:`~ragblend.models.quant_kernels` says); None where the kernels do not run here."""
         kernels = quant_kernels()
         if kernels is None or x.shape[0] > MAX_ROWS:
             return None

@@ -5,9 +5,11 @@
 // the types below (ggml type ids Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13,
 // Q6_K 14).
 //
-// Built twice: for AVX2 + FMA + F16C, and with -DRAGBLEND_QUANT_512 for AVX512 F/BW/VL/DQ (its
-// own op namespace), whose `matmul` works otherwise (see its section). `dequantize` is the same
-// in both.
+// Built three times: for AVX2 + FMA + F16C; with -DRAGBLEND_QUANT_512 for AVX512 F/BW/VL/DQ (its
+// own op namespace), whose `matmul` works otherwise (see its section); and with
+// -DRAGBLEND_QUANT_BF16 as well for AVX512-BF16, whose `matmul` of bf16 x multiplies the
+// weights rounded to bf16 by vdpbf16ps (see dot_tile for bf16 x). `dequantize` is the same in
+// all.
 //
 // Each block decodes into one scale per span of 16 or 32 weights (`sc`), for the types with a
 // minimum one offset per 32 weights (`mn`), and its quants, 32 at a time, as small integers in
@@ -20,7 +22,10 @@
 // mul / add intrinsics), so that `dequantize` gives gguf's values bit for bit.
 //
 // `matmul` is x [n, cols] @ W.T for n <= 16 rows of x, reading each weight block once for
-// all n rows; x in float32, or in bf16 (widened on entry, the output rounded to bf16 on exit). The AVX2 build, per span, sums x * q in 8 lanes and scales that once
+// all n rows; x in float32, or in bf16 (widened on entry, the output rounded to bf16 on exit;
+// in the AVX512-BF16 build, bf16 x times the weights rounded to bf16, the products summed in
+// float32 and the output rounded to bf16). The AVX2 build, per span, sums x * q in 8 lanes and
+// scales that once
 // (sc * sum(x q)); a minimum adds mn * sum(x), x's sums over each 32 columns computed once per
 // call. Each (x row, weight row) pair has its own 8-lane accumulator that runs over the columns
 // in order (in registers for up to 8 rows of x at a time, or for 4 weight rows at a time when
@@ -354,22 +359,24 @@ inline uint16_t round_bf16(float f) {  // c10::BFloat16's round to nearest even 
 inline void store(float* out, float v) { *out = v; }
 inline void store(uint16_t* out, float v) { *out = round_bf16(v); }
 
-// x [n, cols] (float32, or bf16 bits widened to float32) repacked by groups of kGroupOf<T>
-// columns, [groups][n][kGroupOf<T>] (a short last group zero-padded), so that one group of all
-// n rows is contiguous. Torch's allocator aligns it to 64 bytes: no 16-float load of it
-// straddles two cache lines.
-template <class T, typename In>
+// x [n, cols] (float32, or bf16 bits widened to float32, or kept as bf16 bits if Packed is
+// uint16_t) repacked by groups of kGroupOf<T> columns, [groups][n][kGroupOf<T>] (a short last
+// group zero-padded), so that one group of all n rows is contiguous. Torch's allocator aligns
+// it to 64 bytes: no 64-byte load of it straddles two cache lines.
+template <class T, typename In, typename Packed = float>
 at::Tensor pack_x(const In* x, int64_t n, int64_t cols) {
   constexpr int64_t kGroup = kGroupOf<T>;
+  constexpr bool kSame = std::is_same_v<In, Packed>;
   const int64_t groups = (cols + kGroup - 1) / kGroup;
-  at::Tensor packed = at::zeros({groups * n * kGroup}, at::kFloat);
-  float* p = packed.data_ptr<float>();
+  const auto dtype = std::is_same_v<Packed, float> ? at::kFloat : at::kBFloat16;
+  at::Tensor packed = at::zeros({groups * n * kGroup}, dtype);
+  Packed* p = static_cast<Packed*>(packed.data_ptr());
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t width = std::min(kGroup, cols - g * kGroup);
-      float* dst = p + (g * n + i) * kGroup;
+      Packed* dst = p + (g * n + i) * kGroup;
       const In* src = x + i * cols + g * kGroup;
-      if constexpr (std::is_same_v<In, float>) std::memcpy(dst, src, width * 4);
+      if constexpr (kSame) std::memcpy(dst, src, width * sizeof(In));
       else for (int64_t c = 0; c < width; ++c) dst[c] = widen(src[c]);
     }
   return packed;
@@ -590,10 +597,124 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
   });
 }
 
+
+#ifdef RAGBLEND_QUANT_BF16
+// Weights [32 U, 32 U + 32) of block b of type T as 32 bf16, `weights`' values rounded to
+// nearest even. The 4- and 5-bit types look their quants up in a 32-entry bf16 table (vpermw,
+// which reads an index's low 5 bits): a 16-entry table twice, or Q5's two tables.
+template <class T, int U>
+RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const float* mn) {
+  if constexpr (std::is_same_v<T, Q4_K>) {
+    const uint8_t* p = b + 16 + 32 * (U / 2);
+    const __m512 tab = _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])),
+                                     _mm512_set1_ps(mn[U]));
+    __m512i i = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    if constexpr (U % 2 == 1) i = _mm512_srli_epi16(i, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
+  } else if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q4_0>) {
+    constexpr bool kOffset = std::is_same_v<T, Q4_1>;
+    const uint8_t* p = b + (kOffset ? 4 : 2);
+    __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), _mm512_set1_ps(sc[0]));
+    if constexpr (kOffset) tab = _mm512_add_ps(tab, _mm512_set1_ps(mn[0]));
+    __m512i i = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    i = _mm512_mask_srli_epi16(i, 0xFFFF0000u, i, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
+  } else if constexpr (std::is_same_v<T, Q5_1> || std::is_same_v<T, Q5_0>) {
+    constexpr bool kOffset = std::is_same_v<T, Q5_1>;
+    const uint8_t* p = b + (kOffset ? 8 : 6);
+    uint32_t fifth;
+    std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
+    __m512 lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), _mm512_set1_ps(sc[0]));
+    __m512 hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), _mm512_set1_ps(sc[0]));
+    if constexpr (kOffset) {
+      lo = _mm512_add_ps(lo, _mm512_set1_ps(mn[0]));
+      hi = _mm512_add_ps(hi, _mm512_set1_ps(mn[0]));
+    }
+    __m512i i = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    i = _mm512_and_si512(_mm512_mask_srli_epi16(i, 0xFFFF0000u, i, 4), _mm512_set1_epi16(15));
+    i = _mm512_mask_add_epi16(i, static_cast<__mmask32>(fifth), i, _mm512_set1_epi16(16));
+    return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  } else if constexpr (std::is_same_v<T, Q8_0>) {  // sc * q, 16 quants per conversion
+    const __m512 d = _mm512_set1_ps(sc[0]);
+    const auto* p = reinterpret_cast<const __m128i*>(b + 2);
+    const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
+    const __m512 w1 =
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
+    return _mm512_cvtne2ps_pbh(w1, w0);
+  } else {
+    __m512 w[2];
+    weights<T, U>(b, sc, mn, w);
+    return _mm512_cvtne2ps_pbh(w[1], w[0]);
+  }
+}
+
+// dot_tile for bf16 x (the AVX512-BF16 build): each 32 weights of a block rounded to bf16
+// (weights_bf16: what `dequantize` to bf16 gives) and multiplied with x's 32 bf16 by one
+// vdpbf16ps (16 lanes, each adding two products), into one of the pair's two accumulators:
+// the even spans of 32 columns into the first, the odd ones into the second, so that each
+// pair's sums are the same whatever R and G (a lone row of x keeps 8 sums in flight). Half
+// the multiply instructions and half x's bytes of the float32 tile.
+template <class T, int R, int G>
+void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
+              const float* const* mn, const uint16_t* x, Acc (*acc)[kMaxRows][2], int64_t i0) {
+  constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
+  constexpr int kSpans = T::kElems / 32;
+  constexpr bool kQ6 = std::is_same_v<T, Q6_K>;
+  constexpr int64_t kStep = kSpans == 1 ? 2 : 1;  // blocks per step: an even number of spans
+  alignas(64) int8_t q6[kQ6 ? R : 1][kQ6 ? T::kElems : 1];
+  Acc a[R][G][2];
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+      a[r][g][0] = acc[r][i0 + g][0], a[r][g][1] = acc[r][i0 + g][1];
+    });
+  });
+  const auto span = [&](auto r, int64_t b, auto U, auto P) RAGBLEND_INLINE_LAMBDA {
+    __m512bh wb;
+    if constexpr (kQ6) {
+      __m512 w[2];
+      q6_weights<U>(q6[r], sc[r] + b * kSc, w);
+      wb = _mm512_cvtne2ps_pbh(w[1], w[0]);
+    } else {
+      wb = weights_bf16<T, U>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
+    }
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+      const uint16_t* xp = x + g * kGroup + b * T::kElems + 32 * U;
+      a[r][g][P] = _mm512_dpbf16_ps(a[r][g][P], (__m512bh)_mm512_loadu_si512(xp), wb);
+    });
+  };
+  using Z = std::integral_constant<int, 0>;
+  using O = std::integral_constant<int, 1>;
+  int64_t b = 0;
+  for (; b + kStep <= nb; b += kStep) {
+    if constexpr (kQ6)
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { q6_unpack(src[r] + b * T::kBytes, q6[r]); });
+    if constexpr (kSpans == 1) {
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { span(r, b, Z{}, Z{}); });
+      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { span(r, b + 1, Z{}, O{}); });
+    } else {
+      unroll<kSpans>([&](auto U) RAGBLEND_INLINE_LAMBDA {
+        unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+          span(r, b, U, std::integral_constant<int, U % 2>{});
+        });
+      });
+    }
+  }
+  if constexpr (kSpans == 1)  // an odd last block: an even span
+    if (b < nb) unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { span(r, b, Z{}, Z{}); });
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+      acc[r][i0 + g][0] = a[r][g][0], acc[r][i0 + g][1] = a[r][g][1];
+    });
+  });
+}
+#endif
+
 // rows x n pairs in tiles: 4 weight rows by 1 or 2 of x, 2 by 3 or 4, else 1 by up to 8
-template <class T>
+template <class T, typename X>
 void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
-              const float* const* sc, const float* const* mn, const float* x,
+              const float* const* sc, const float* const* mn, const X* x,
               Acc (*acc)[kMaxRows][2]) {
   const int64_t R = n <= 2 ? 4 : n <= 4 ? 2 : 1;
   int64_t r = 0;
@@ -607,7 +728,7 @@ void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
   for (; r < rows; ++r)
     for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
       const auto* s = src + r;
-      const float* xi = x + i0 * kGroup;
+      const X* xi = x + i0 * kGroup;
       switch (std::min(kChunk, n - i0)) {
         case 1: dot_tile<T, 1, 1>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
         case 2: dot_tile<T, 1, 2>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
@@ -622,8 +743,8 @@ void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
 }
 
 // out[i, r] for weight rows [r0, r1): out [n, rows] (float32 or bf16); x packed (pack_x).
-template <class T, typename Out>
-void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
+template <class T, typename X, typename Out>
+void matmul_rows(const X* x, int64_t n, int64_t cols, const uint8_t* w, int64_t row_bytes,
                  const float* bias, int64_t rows, int64_t r0, int64_t r1, Out* out) {
   constexpr int64_t per_group = kGroup / T::kElems;
   constexpr int64_t kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
@@ -648,7 +769,7 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
         for (int64_t b = 0; b < nb; ++b)
           block_scales<T>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
       }
-      dot_rows<T>(tile, n, src, nb, scp, mnp, x + g * n * kGroup, acc);
+      dot_rows<T, X>(tile, n, src, nb, scp, mnp, x + g * n * kGroup, acc);
     }
     for (int64_t r = 0; r < tile; ++r)
       for (int64_t i = 0; i < n; ++i) {
@@ -955,20 +1076,27 @@ struct Part {
   at::Tensor sums, bias;
 };
 
-// x packed for type T (pack_x): the copy in `packs` a type of the same group width made, else
-// a new one kept there (a Qwen2.5 file's q/k/v are Q5_0, Q5_0 and Q8_0: one copy).
+#ifdef RAGBLEND_QUANT_BF16
+constexpr bool kBf16Dot = true;  // bf16 x stays bf16: dot_tile for bf16 x
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// x packed for type T (pack_x; bf16 bits for kBf16Dot's bf16 x, else float32): the copy in
+// `packs` a type of the same group width made, else a new one kept there (a Qwen2.5 file's
+// q/k/v are Q5_0, Q5_0 and Q8_0: one copy).
 template <class T>
-const float* packed_x(const at::Tensor& x, int64_t cols,
-                      std::vector<std::pair<int64_t, at::Tensor>>& packs) {
+const void* packed_x(const at::Tensor& x, int64_t cols,
+                     std::vector<std::pair<int64_t, at::Tensor>>& packs) {
   for (const std::pair<int64_t, at::Tensor>& pack : packs)
-    if (pack.first == kGroupOf<T>) return pack.second.const_data_ptr<float>();
+    if (pack.first == kGroupOf<T>) return pack.second.const_data_ptr();
   const int64_t n = x.size(0);
-  packs.emplace_back(kGroupOf<T>,
-                     x.scalar_type() == at::kBFloat16
-                         ? pack_x<T>(reinterpret_cast<const uint16_t*>(
-                                         x.const_data_ptr<at::BFloat16>()), n, cols)
-                         : pack_x<T>(x.const_data_ptr<float>(), n, cols));
-  return packs.back().second.const_data_ptr<float>();
+  const auto* h = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  packs.emplace_back(kGroupOf<T>, x.scalar_type() != at::kBFloat16
+                                      ? pack_x<T>(x.const_data_ptr<float>(), n, cols)
+                                  : kBf16Dot ? pack_x<T, uint16_t, uint16_t>(h, n, cols)
+                                             : pack_x<T>(h, n, cols));
+  return packs.back().second.const_data_ptr();
 }
 
 // x @ [W_0; W_1; ...].T (+ each one's bias): their outputs side by side, [n, sum of rows], in
@@ -1002,7 +1130,8 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       part.rows = blocks[k].size(0);
       const int64_t row_bytes = blocks[k].size(1);
       const float* b = float_bias(biases.get(k), part.rows, part.bias);
-      const float* xp = packed_x<T>(x, cols, packs);
+      const void* xv = packed_x<T>(x, cols, packs);
+      const float* xp = static_cast<const float*>(xv);
       const uint8_t* w = blocks[k].const_data_ptr<uint8_t>();
 #ifndef RAGBLEND_QUANT_512
       part.sums = x_sums<T>(xp, n, cols);
@@ -1011,6 +1140,13 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       const auto bind = [&](auto* o) {
         part.run = [=](int64_t r0, int64_t r1) {
 #ifdef RAGBLEND_QUANT_512
+          if constexpr (kBf16Dot) {
+            if (bf16) {
+              matmul_rows<T>(static_cast<const uint16_t*>(xv), n, cols, w, row_bytes, b, total,
+                             r0, r1, o);
+              return;
+            }
+          }
           matmul_rows<T>(xp, n, cols, w, row_bytes, b, total, r0, r1, o);
 #else
           matmul_rows<T>(xp, n, cols, w, row_bytes, xs, b, total, r0, r1, o);
