@@ -652,62 +652,98 @@ RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const f
 
 // dot_tile for bf16 x (the AVX512-BF16 build): each 32 weights of a block rounded to bf16
 // (weights_bf16: what `dequantize` to bf16 gives) and multiplied with x's 32 bf16 by one
-// vdpbf16ps (16 lanes, each adding two products), into one of the pair's two accumulators:
-// the even spans of 32 columns into the first, the odd ones into the second, so that each
-// pair's sums are the same whatever R and G (a lone row of x keeps 8 sums in flight). Half
-// the multiply instructions and half x's bytes of the float32 tile.
+// vdpbf16ps (16 lanes, each adding two products) into the pair's one accumulator, over the
+// columns in order, so that each pair's sums are the same whatever R and G. Half the multiply
+// instructions, half x's bytes and half the accumulators of the float32 tile: R G <= 16 pairs
+// (dot_rows_bf16) share each x load between R weight rows.
 template <class T, int R, int G>
 void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
               const float* const* mn, const uint16_t* x, Acc (*acc)[kMaxRows][2], int64_t i0) {
   constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
   constexpr int kSpans = T::kElems / 32;
   constexpr bool kQ6 = std::is_same_v<T, Q6_K>;
-  constexpr int64_t kStep = kSpans == 1 ? 2 : 1;  // blocks per step: an even number of spans
   alignas(64) int8_t q6[kQ6 ? R : 1][kQ6 ? T::kElems : 1];
-  Acc a[R][G][2];
+  Acc a[R][G];
   unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
-    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-      a[r][g][0] = acc[r][i0 + g][0], a[r][g][1] = acc[r][i0 + g][1];
-    });
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { a[r][g] = acc[r][i0 + g][0]; });
   });
-  const auto span = [&](auto r, int64_t b, auto U, auto P) RAGBLEND_INLINE_LAMBDA {
-    __m512bh wb;
+  const auto decode = [&](auto r, int64_t b, auto U) RAGBLEND_INLINE_LAMBDA {
     if constexpr (kQ6) {
       __m512 w[2];
       q6_weights<U>(q6[r], sc[r] + b * kSc, w);
-      wb = _mm512_cvtne2ps_pbh(w[1], w[0]);
+      return _mm512_cvtne2ps_pbh(w[1], w[0]);
     } else {
-      wb = weights_bf16<T, U>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
+      return weights_bf16<T, U>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
     }
-    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-      const uint16_t* xp = x + g * kGroup + b * T::kElems + 32 * U;
-      a[r][g][P] = _mm512_dpbf16_ps(a[r][g][P], (__m512bh)_mm512_loadu_si512(xp), wb);
-    });
   };
-  using Z = std::integral_constant<int, 0>;
-  using O = std::integral_constant<int, 1>;
-  int64_t b = 0;
-  for (; b + kStep <= nb; b += kStep) {
+  // kAhead spans of all R rows decoded before their products (a span's products wait on its
+  // decoding's chain of dependent ops: table, conversion, lookup); the table types' one-span
+  // blocks two at a time (Q8_0's as fast one at a time)
+  constexpr int kBlocks = kSpans == 1 && R <= 4 && !std::is_same_v<T, Q8_0> ? 2 : 1;
+  constexpr int kPerStep = kSpans * kBlocks;
+  constexpr int kAhead = std::max(1, std::min(kPerStep, 8 / R));
+  const auto step = [&](int64_t b, auto blocks) RAGBLEND_INLINE_LAMBDA {
+    constexpr int kStepSpans = kSpans * blocks;
     if constexpr (kQ6)
       unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { q6_unpack(src[r] + b * T::kBytes, q6[r]); });
-    if constexpr (kSpans == 1) {
-      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { span(r, b, Z{}, Z{}); });
-      unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { span(r, b + 1, Z{}, O{}); });
-    } else {
-      unroll<kSpans>([&](auto U) RAGBLEND_INLINE_LAMBDA {
+    unroll<(kStepSpans + kAhead - 1) / kAhead>([&](auto k) RAGBLEND_INLINE_LAMBDA {
+      constexpr int kFirst = k * kAhead, kCount = std::min(kAhead, kStepSpans - kFirst);
+      __m512bh w[kCount][R];
+      unroll<kCount>([&](auto c) RAGBLEND_INLINE_LAMBDA {
+        constexpr int kS = kFirst + c;  // the step's span: block b + kS / kSpans, U kS % kSpans
         unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
-          span(r, b, U, std::integral_constant<int, U % 2>{});
+          w[c][r] = decode(r, b + kS / kSpans, std::integral_constant<int, kS % kSpans>{});
         });
       });
+      unroll<kCount>([&](auto c) RAGBLEND_INLINE_LAMBDA {
+        const uint16_t* xp = x + b * T::kElems + 32 * (kFirst + c);
+        unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + g * kGroup);
+          unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+            a[r][g] = _mm512_dpbf16_ps(a[r][g], xv, w[c][r]);
+          });
+        });
+      });
+    });
+  };
+  int64_t b = 0;
+  for (; b + kBlocks <= nb; b += kBlocks) step(b, std::integral_constant<int, kBlocks>{});
+  if (b < nb) step(b, std::integral_constant<int, 1>{});  // an odd last one-span block
+  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
+    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA { acc[r][i0 + g][0] = a[r][g]; });
+  });
+}
+
+// rows x n pairs in tiles of at most 16 pairs: 4 weight rows by 1 to 4 of x, 2 by 5 to 8, else
+// 1 by up to 16 (bf16 x; the pairs' second accumulators stay zero)
+template <class T, int R>
+void dot_rows_bf16(int64_t n, const uint8_t* const* src, int64_t nb, const float* const* sc,
+                   const float* const* mn, const uint16_t* x, Acc (*acc)[kMaxRows][2]) {
+  const auto tile = [&](auto g) RAGBLEND_INLINE_LAMBDA {
+    dot_tile<T, R, g + 1>(src, nb, sc, mn, x, acc, 0);
+  };
+  switch (n) {
+    case 1: return tile(std::integral_constant<int, 0>{});
+    case 2: return tile(std::integral_constant<int, 1>{});
+    case 3: return tile(std::integral_constant<int, 2>{});
+    case 4: return tile(std::integral_constant<int, 3>{});
+    case 5: return tile(std::integral_constant<int, 4>{});
+    case 6: return tile(std::integral_constant<int, 5>{});
+    case 7: return tile(std::integral_constant<int, 6>{});
+    case 8: return tile(std::integral_constant<int, 7>{});
+  }
+  if constexpr (R == 1) {
+    switch (n) {
+      case 9: return tile(std::integral_constant<int, 8>{});
+      case 10: return tile(std::integral_constant<int, 9>{});
+      case 11: return tile(std::integral_constant<int, 10>{});
+      case 12: return tile(std::integral_constant<int, 11>{});
+      case 13: return tile(std::integral_constant<int, 12>{});
+      case 14: return tile(std::integral_constant<int, 13>{});
+      case 15: return tile(std::integral_constant<int, 14>{});
+      default: return tile(std::integral_constant<int, 15>{});
     }
   }
-  if constexpr (kSpans == 1)  // an odd last block: an even span
-    if (b < nb) unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA { span(r, b, Z{}, Z{}); });
-  unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
-    unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-      acc[r][i0 + g][0] = a[r][g][0], acc[r][i0 + g][1] = a[r][g][1];
-    });
-  });
 }
 #endif
 
@@ -716,6 +752,19 @@ template <class T, typename X>
 void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
               const float* const* sc, const float* const* mn, const X* x,
               Acc (*acc)[kMaxRows][2]) {
+#ifdef RAGBLEND_QUANT_BF16
+  if constexpr (std::is_same_v<X, uint16_t>) {
+    const int64_t R = n <= 4 ? 4 : n <= 8 ? 2 : 1;
+    for (int64_t r = 0; r < rows; r += R) {
+      const int64_t left = rows - r;
+      if (R == 4 && left >= 4) dot_rows_bf16<T, 4>(n, src + r, nb, sc + r, mn + r, x, acc + r);
+      else if (R >= 2 && left >= 2 && n <= 8)
+        dot_rows_bf16<T, 2>(n, src + r, nb, sc + r, mn + r, x, acc + r), r -= R - 2;
+      else dot_rows_bf16<T, 1>(n, src + r, nb, sc + r, mn + r, x, acc + r), r -= R - 1;
+    }
+    return;
+  }
+#endif
   const int64_t R = n <= 2 ? 4 : n <= 4 ? 2 : 1;
   int64_t r = 0;
   for (; R > 1 && r + R <= rows; r += R) {
