@@ -10,11 +10,16 @@ steps of B decoders over copies of its cache, for each B of ``--batches`` in tur
 same position. Reports the median ms per step over ``--repeats`` (each the mean of ``--steps``
 steps) and ``ratio``: B requests' aggregate rate over one request's, the figure a server's
 concurrent streams approach (``benchmarks/serve_load.py`` measures it through HTTP).
+
+``--quant-builds avx512_bf16,avx512`` times a GGUF model's steps on each of these builds of
+the quantized-weight kernels in turn within each repeat (one loaded model, interleaved), and
+reports each build's step times and its ratio to the first build's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +30,7 @@ from ragblend import BlendConfig, BlendEngine
 from ragblend.bench.datasets import default_dataset, load_cases
 from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.layer_decode import decode_batch
+from ragblend.models.quant_kernels import QuantKernels, kernels_in_use, kernels_of
 
 
 def main() -> None:
@@ -37,6 +43,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="steps per timing")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--quant-builds", help="quantized-kernel builds to compare, e.g. avx512_bf16,avx512"
+    )
     parser.add_argument("--out", default="out/decode_steps.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -44,36 +53,51 @@ def main() -> None:
     config = BlendConfig(dtype=args.dtype, weights=args.weights)
     engine = BlendEngine.from_pretrained(args.model, config=config)
     engine.prepare_decode()
-    results = {}
+    builds: dict[str, QuantKernels | None] = {"default": None}
+    if args.quant_builds:
+        try:
+            builds = {level: kernels_of(level) for level in args.quant_builds.split(",")}
+        except ValueError as exc:
+            parser.error(str(exc))
+    results: dict[str, dict[str, object]] = {}
     for size in args.prompt_sizes.split(","):
         chunks, tokens = (int(v) for v in size.split("x"))
         case = load_cases(default_dataset(), engine.tokenizer, chunks, tokens, 1)[0]
         prompt = engine.tokenize(case.question, case.chunks)
         prefill = engine.prefill(prompt, "full")
-        room = args.steps * (args.repeats + 1) + 1
+        room = args.steps * (args.repeats + 1) * len(builds) + 1
         decoders = [engine.decoder(prefill, room) for _ in range(max(batches))]
-        times: dict[int, list[float]] = {b: [] for b in batches}
+        times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in builds for b in batches}
         for repeat in range(args.repeats + 1):  # the first: warm-up, not counted
-            for b in batches:
-                for d in decoders[:b]:
-                    d.position = len(prompt)
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    decode_batch(decoders[:b], [100] * b)
-                if repeat:
-                    times[b].append((time.perf_counter() - t0) / args.steps * 1e3)
-        ms = {b: statistics.median(v) for b, v in times.items()}
-        one = ms[batches[0]] / batches[0]
-        results[size] = {
-            "prompt_tokens": len(prompt),
-            "ms_per_step": {str(b): round(m, 3) for b, m in ms.items()},
-            "ratio": {str(b): round(b * one / m, 3) for b, m in ms.items()},
-        }
-        print(
-            f"{size} ({len(prompt)} tokens): "
-            + "  ".join(f"B={b} {ms[b]:.1f} ms ({b * one / ms[b]:.2f}x)" for b in batches),
-            flush=True,
-        )
+            for name, kernels in builds.items():
+                with kernels_in_use(kernels) if kernels else contextlib.nullcontext():
+                    for b in batches:
+                        for d in decoders[:b]:
+                            d.position = len(prompt)
+                        t0 = time.perf_counter()
+                        for _ in range(args.steps):
+                            decode_batch(decoders[:b], [100] * b)
+                        if repeat:
+                            times[name, b].append((time.perf_counter() - t0) / args.steps * 1e3)
+        first = next(iter(builds))
+        for name in builds:
+            ms = {b: statistics.median(times[name, b]) for b in batches}
+            one = ms[batches[0]] / batches[0]
+            row: dict[str, object] = {
+                "prompt_tokens": len(prompt),
+                "ms_per_step": {str(b): round(m, 3) for b, m in ms.items()},
+                "ratio": {str(b): round(b * one / m, 3) for b, m in ms.items()},
+            }
+            if name != first:
+                row["step_time_over_" + first] = {
+                    str(b): round(m / statistics.median(times[first, b]), 3) for b, m in ms.items()
+                }
+            results[size if len(builds) == 1 else f"{size} {name}"] = row
+            print(
+                f"{size} ({len(prompt)} tokens){'' if len(builds) == 1 else ' ' + name}: "
+                + "  ".join(f"B={b} {ms[b]:.1f} ms ({b * one / ms[b]:.2f}x)" for b in batches),
+                flush=True,
+            )
     report = {
         "benchmark": "decode_steps",
         "settings": {
@@ -83,6 +107,7 @@ def main() -> None:
             "repeats": args.repeats,
             "steps": args.steps,
             "threads": args.threads,
+            "quant_builds": list(builds),
         },
         **cpu_environment(),
         "results": results,

@@ -1,8 +1,11 @@
 """Speed of the native GGUF block kernels (ragblend.models.quant_kernels) on one matrix.
 
 For each of ``--types`` (default Q4_K, Q6_K and Q4_1; random valid blocks, ``--size`` x
-``--size``, or ``--shape ROWS COLS``): ``matmul`` at n = 1, 4 and 16 rows of x (``--n``), and
-``dequantize`` to float32, against ``F.linear`` on the float32 weights of the same shape. Each
+``--size``, or ``--shape ROWS COLS``): ``matmul`` at n = 1, 4 and 16 rows of x (``--n``), x in
+``--dtype`` (float32, or bfloat16 as a bf16 model's decode step), and ``dequantize`` to float32,
+against ``F.linear`` on the weights of the same shape in that dtype. ``--builds`` times the
+matmul of several kernel builds side by side (e.g. ``avx512_bf16,avx512``: bf16 products
+against float32 ones; default: the build this CPU loads). Each
 repeat runs every case once, in turn (interleaved, so that a noisy neighbour hits all cases
 alike); the medians are reported with GB/s of weight bytes read (blocks for the kernels,
 float32 weights for F.linear) and, for dequantize, of float32 written. A matrix larger than
@@ -11,6 +14,7 @@ memory as a decode step reads it.
 
     python benchmarks/quant_matmul.py --out out/quant_matmul.json
     python benchmarks/quant_matmul.py --types Q5_0,Q8_0 --shape 4864 896 --n 1,4,8 --out …
+    python benchmarks/quant_matmul.py --dtype bfloat16 --builds avx512_bf16,avx512 --n 1,4,8 …
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch.nn.functional as F
 from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.models.quant_kernels import (
     QUANT_TYPES,
+    QuantKernels,
     dequantize_reference,
+    kernels_of,
     quant_kernels,
     random_blocks,
 )
@@ -37,33 +43,54 @@ DEFAULT_ROWS = (1, 4, 16)
 
 
 def cases(
-    rows: int, cols: int, types: dict[str, int], ns: tuple[int, ...]
+    rows: int,
+    cols: int,
+    types: dict[str, int],
+    ns: tuple[int, ...],
+    dtype: torch.dtype,
+    builds: dict[str, QuantKernels],
 ) -> dict[str, tuple[Callable[[], object], int]]:
-    """name -> (a call to time, bytes of weights it reads), for a [rows, cols] weight."""
-    kernels = quant_kernels()
-    if kernels is None:
-        raise SystemExit("the quantized-weight kernels are not available on this machine")
+    """name -> (a call to time, bytes of weights it reads), for a [rows, cols] weight; the
+    matmuls of each of ``builds`` (level -> kernels; named by level when there are several)."""
     gen = torch.Generator().manual_seed(0)
-    xs = {n: torch.randn(n, cols, generator=gen) for n in ns}
+    xs = {n: torch.randn(n, cols, generator=gen).to(dtype) for n in ns}
+    kernels = next(iter(builds.values()))
     out: dict[str, tuple[Callable[[], object], int]] = {}
     weight = None
     for name, qtype in types.items():
         blocks = random_blocks(rows, cols, qtype, gen)
-        weight = dequantize_reference(blocks, qtype, cols)
+        weight = dequantize_reference(blocks, qtype, cols).to(dtype)
         nbytes = blocks.numel()
-        for n in ns:
-            out[f"{name} matmul n={n}"] = (
-                lambda x=xs[n], b=blocks, q=qtype: kernels.matmul(x, b, q, cols, None),
-                nbytes,
-            )
+        for level, k in builds.items():
+            label = f"{name} {level}" if len(builds) > 1 else name
+            for n in ns:
+                out[f"{label} matmul n={n}"] = (
+                    lambda x=xs[n], b=blocks, q=qtype, k=k: k.matmul(x, b, q, cols, None),
+                    nbytes,
+                )
         out[f"{name} dequantize f32"] = (
             lambda b=blocks, q=qtype: kernels.dequantize(b, q, cols, torch.float32),
             nbytes,
         )
     assert weight is not None
+    short = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
     for n in ns:
-        out[f"F.linear f32 n={n}"] = (lambda x=xs[n], w=weight: F.linear(x, w), weight.nbytes)
+        out[f"F.linear {short} n={n}"] = (lambda x=xs[n], w=weight: F.linear(x, w), weight.nbytes)
     return out
+
+
+def load_builds(levels: str | None, parser: argparse.ArgumentParser) -> dict[str, QuantKernels]:
+    """level -> checked kernels: each of ``levels`` (comma-separated), or the build this CPU
+    loads by default."""
+    if not levels:
+        kernels = quant_kernels()
+        if kernels is None:
+            raise SystemExit("the quantized-weight kernels are not available on this machine")
+        return {kernels.level: kernels}
+    try:
+        return {level: kernels_of(level) for level in levels.split(",")}
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def main() -> None:
@@ -74,6 +101,8 @@ def main() -> None:
     )
     parser.add_argument("--types", default=",".join(DEFAULT_TYPES), help="e.g. Q5_0,Q8_0")
     parser.add_argument("--n", default=",".join(map(str, DEFAULT_ROWS)), help="rows of x")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--builds", help="kernel builds by CPU level, e.g. avx512_bf16,avx512")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default="out/quant_matmul.json")
@@ -85,7 +114,9 @@ def main() -> None:
         parser.error(f"unknown types {unknown}; known: {', '.join(ids)}")
     types = {t: ids[t] for t in args.types.split(",")}
     rows, cols = args.shape or (args.size, args.size)
-    timed = cases(rows, cols, types, tuple(int(n) for n in args.n.split(",")))
+    builds = load_builds(args.builds, parser)
+    dtype = getattr(torch, args.dtype)
+    timed = cases(rows, cols, types, tuple(int(n) for n in args.n.split(",")), dtype, builds)
     times: dict[str, list[float]] = {name: [] for name in timed}
     for call, _ in timed.values():  # warm up: caches, pages, thread pool
         call()
@@ -113,7 +144,8 @@ def main() -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         **cpu_environment(),
-        "kernel_build": kernels.level if (kernels := quant_kernels()) else None,
+        "kernel_builds": list(builds),
+        "dtype": args.dtype,
         "types": list(types),
         "results": results,
     }

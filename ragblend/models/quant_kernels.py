@@ -40,7 +40,8 @@ from theirs by the weights' rounding to bf16.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -182,6 +183,34 @@ def _first_build() -> QuantKernels | str:
                 exc,
             )
     raise AssertionError("unreachable: the last build is the least level")
+
+
+def kernels_of(level: str) -> QuantKernels:
+    """The checked kernels of the build for CPU level ``level`` (one of :data:`BUILDS`), built
+    (or loaded) now: for benchmarks that compare builds in one process. Raises ValueError for
+    an unknown level or one above the CPU's, and whatever the build or its check raises."""
+    build = next((b for b in BUILDS if b.level == level), None)
+    if build is None:
+        raise ValueError(
+            f"no quantized-kernel build for level {level!r}: {[b.level for b in BUILDS]}"
+        )
+    if not cpu.isa_at_least(level):
+        raise ValueError(f"the {level} build needs that CPU level; this CPU is at {cpu.cpu_isa()}")
+    return _build(build)
+
+
+@contextmanager
+def kernels_in_use(kernels: QuantKernels) -> Iterator[None]:
+    """Within the block, :func:`quant_kernels` gives ``kernels`` (e.g. :func:`kernels_of`'s)
+    to every quantized linear, loaded before or after: for benchmarks that compare builds on
+    one loaded model, interleaved."""
+    global _BUILT
+    before = _BUILT
+    _BUILT = kernels
+    try:
+        yield
+    finally:
+        _BUILT = before
 
 
 def _build(build: Build) -> QuantKernels:
