@@ -10,7 +10,8 @@ repeat runs every case once, in turn (interleaved, so that a noisy neighbour hit
 alike); the medians are reported with GB/s of weight bytes read (blocks for the kernels,
 float32 weights for F.linear) and, for dequantize, of float32 written. A matrix larger than
 the CPU's last-level cache (e.g. ``--shape 151936 896``, Qwen2.5-0.5B's LM head) is read from
-memory as a decode step reads it.
+memory as a decode step reads it; a smaller one may stay in that cache between calls, so its
+first case per repeat reads it from memory and the next ones from the cache.
 
     python benchmarks/quant_matmul.py --out out/quant_matmul.json
     python benchmarks/quant_matmul.py --types Q5_0,Q8_0 --shape 4864 896 --n 1,4,8 --out …
@@ -61,9 +62,9 @@ def cases(
         blocks = random_blocks(rows, cols, qtype, gen)
         weight = dequantize_reference(blocks, qtype, cols).to(dtype)
         nbytes = blocks.numel()
-        for level, k in builds.items():
-            label = f"{name} {level}" if len(builds) > 1 else name
-            for n in ns:
+        for n in ns:  # each n's builds one after the other: the same cache state
+            for level, k in builds.items():
+                label = f"{name} {level}" if len(builds) > 1 else name
                 out[f"{label} matmul n={n}"] = (
                     lambda x=xs[n], b=blocks, q=qtype, k=k: k.matmul(x, b, q, cols, None),
                     nbytes,
