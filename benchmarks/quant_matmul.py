@@ -7,7 +7,8 @@ against ``F.linear`` on the weights of the same shape in that dtype. ``--builds`
 matmul of several kernel builds side by side (e.g. ``avx512_bf16,avx512``: bf16 products
 against float32 ones; default: the build this CPU loads). Each
 repeat runs every case once, in turn (interleaved, so that a noisy neighbour hits all cases
-alike); the medians are reported with GB/s of weight bytes read (blocks for the kernels,
+alike; every other repeat in reverse, the dequantize cases after the matmuls); the medians
+are reported with GB/s of weight bytes read (blocks for the kernels,
 float32 weights for F.linear) and, for dequantize, of float32 written. A matrix larger than
 the CPU's last-level cache (e.g. ``--shape 151936 896``, Qwen2.5-0.5B's LM head) is read from
 memory as a decode step reads it; a smaller one may stay in that cache between calls, so its
@@ -121,8 +122,12 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in timed}
     for call, _ in timed.values():  # warm up: caches, pages, thread pool
         call()
-    for _ in range(args.repeats):
-        for name, (call, _) in timed.items():
+    # the dequantize cases (which write rows x cols floats, evicting the cache) after the
+    # matmuls, and every other repeat in reverse, so that no case always follows the same one
+    order = sorted(timed, key=lambda name: "dequantize" in name)
+    for repeat in range(args.repeats):
+        for name in order if repeat % 2 == 0 else reversed(order):
+            call = timed[name][0]
             t0 = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t0)

@@ -22,7 +22,8 @@ has three ops on them:
   ``vdpbf16ps``, products summed in float32 (bf16 subnormal inputs read as zero), the bias
   added and the result rounded to bf16: ``F.linear`` on those bf16 weights within
   :func:`ragblend.models.dense_decode.tolerance`, as the dense bf16 decode kernel gives; at
-  4 to 8 rows of x 1.3-1.5x the float32 products' speed (half the multiply instructions).
+  8 rows of x 1.6-1.8x the float32 products' speed (half the multiply instructions), at one
+  row 0.9-1.05x.
 - ``matmul_cat(x, [blocks, ...], [qtype, ...], cols, [bias | None, ...]) -> [n, sum of rows]``:
   ``matmul`` of several weights of any types (an attention's q/k/v, an MLP's gate/up) in one
   call, their outputs side by side, each one's values what ``matmul`` gives it alone.
@@ -258,14 +259,14 @@ def _check(kernels: QuantKernels, qtype: int) -> None:
     x16, bias16 = x.bfloat16(), bias.bfloat16()
     got = kernels.matmul(x16, blocks, qtype, 512, bias16)
     if kernels.bf16_products:
-        check_bf16_products(kernels, qtype, blocks, x16, bias16, got)
+        _check_bf16_products(kernels, qtype, blocks, x16, bias16, got)
         return
     want = kernels.matmul(x16.float(), blocks, qtype, 512, bias16.float()).bfloat16()
     if not torch.equal(got, want):
         raise RuntimeError(f"{name} bf16 matmul is not the float32 one rounded to bf16")
 
 
-def check_bf16_products(
+def _check_bf16_products(
     kernels: QuantKernels,
     qtype: int,
     blocks: torch.Tensor,

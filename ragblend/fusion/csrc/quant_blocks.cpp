@@ -25,12 +25,12 @@
 // all n rows; x in float32, or in bf16 (widened on entry, the output rounded to bf16 on exit;
 // in the AVX512-BF16 build, bf16 x times the weights rounded to bf16, the products summed in
 // float32 and the output rounded to bf16). The AVX2 build, per span, sums x * q in 8 lanes and
-// scales that once
-// (sc * sum(x q)); a minimum adds mn * sum(x), x's sums over each 32 columns computed once per
-// call. Each (x row, weight row) pair has its own 8-lane accumulator that runs over the columns
-// in order (in registers for up to 8 rows of x at a time, or for 4 weight rows at a time when
-// x has one row) and is summed across lanes in a fixed order at the end, so a row's output is
-// the same bit for bit whatever n and however the weight rows are split between threads.
+// scales that once (sc * sum(x q)); a minimum adds mn * sum(x), x's sums over each 32 columns
+// computed once per call. Each (x row, weight row) pair has its own 8-lane accumulator that
+// runs over the columns in order (in registers for up to 8 rows of x at a time, or for 4 weight
+// rows at a time when x has one row) and is summed across lanes in a fixed order at the end, so
+// a row's output is the same bit for bit whatever n and however the weight rows are split
+// between threads.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/core/Tensor.h>
@@ -597,7 +597,6 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
   });
 }
 
-
 #ifdef RAGBLEND_QUANT_BF16
 // Weights [32 U, 32 U + 32) of block b of type T as 32 bf16, `weights`' values rounded to
 // nearest even. The 4- and 5-bit types look their quants up in a 32-entry bf16 table (vpermw,
@@ -639,7 +638,8 @@ RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const f
   } else if constexpr (std::is_same_v<T, Q8_0>) {  // sc * q, 16 quants per conversion
     const __m512 d = _mm512_set1_ps(sc[0]);
     const auto* p = reinterpret_cast<const __m128i*>(b + 2);
-    const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
+    const __m512 w0 =
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
     const __m512 w1 =
         _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
     return _mm512_cvtne2ps_pbh(w1, w0);
@@ -714,36 +714,15 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
   });
 }
 
-// rows x n pairs in tiles of at most 16 pairs: 4 weight rows by 1 to 4 of x, 2 by 5 to 8, else
-// 1 by up to 16 (bf16 x; the pairs' second accumulators stay zero)
-template <class T, int R>
-void dot_rows_bf16(int64_t n, const uint8_t* const* src, int64_t nb, const float* const* sc,
-                   const float* const* mn, const uint16_t* x, Acc (*acc)[kMaxRows][2]) {
-  const auto tile = [&](auto g) RAGBLEND_INLINE_LAMBDA {
-    dot_tile<T, R, g + 1>(src, nb, sc, mn, x, acc, 0);
-  };
-  switch (n) {
-    case 1: return tile(std::integral_constant<int, 0>{});
-    case 2: return tile(std::integral_constant<int, 1>{});
-    case 3: return tile(std::integral_constant<int, 2>{});
-    case 4: return tile(std::integral_constant<int, 3>{});
-    case 5: return tile(std::integral_constant<int, 4>{});
-    case 6: return tile(std::integral_constant<int, 5>{});
-    case 7: return tile(std::integral_constant<int, 6>{});
-    case 8: return tile(std::integral_constant<int, 7>{});
+// R weight rows by all n rows of x (bf16) in one tile of R x n <= 16 pairs: dot_tile<T, R, n>
+template <class T, int R, int G = 1>
+RAGBLEND_INLINE void dot_rows_bf16(int64_t n, const uint8_t* const* src, int64_t nb,
+                                   const float* const* sc, const float* const* mn,
+                                   const uint16_t* x, Acc (*acc)[kMaxRows][2]) {
+  if constexpr (G < 16 / R) {
+    if (n > G) return dot_rows_bf16<T, R, G + 1>(n, src, nb, sc, mn, x, acc);
   }
-  if constexpr (R == 1) {
-    switch (n) {
-      case 9: return tile(std::integral_constant<int, 8>{});
-      case 10: return tile(std::integral_constant<int, 9>{});
-      case 11: return tile(std::integral_constant<int, 10>{});
-      case 12: return tile(std::integral_constant<int, 11>{});
-      case 13: return tile(std::integral_constant<int, 12>{});
-      case 14: return tile(std::integral_constant<int, 13>{});
-      case 15: return tile(std::integral_constant<int, 14>{});
-      default: return tile(std::integral_constant<int, 15>{});
-    }
-  }
+  dot_tile<T, R, G>(src, nb, sc, mn, x, acc, 0);
 }
 #endif
 
@@ -753,15 +732,13 @@ void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
               const float* const* sc, const float* const* mn, const X* x,
               Acc (*acc)[kMaxRows][2]) {
 #ifdef RAGBLEND_QUANT_BF16
-  if constexpr (std::is_same_v<X, uint16_t>) {
-    const int64_t R = n <= 4 ? 4 : n <= 8 ? 2 : 1;
-    for (int64_t r = 0; r < rows; r += R) {
-      const int64_t left = rows - r;
-      if (R == 4 && left >= 4) dot_rows_bf16<T, 4>(n, src + r, nb, sc + r, mn + r, x, acc + r);
-      else if (R >= 2 && left >= 2 && n <= 8)
-        dot_rows_bf16<T, 2>(n, src + r, nb, sc + r, mn + r, x, acc + r), r -= R - 2;
-      else dot_rows_bf16<T, 1>(n, src + r, nb, sc + r, mn + r, x, acc + r), r -= R - 1;
-    }
+  if constexpr (std::is_same_v<X, uint16_t>) {  // 4 weight rows by 1-4 of x, 2 by 5-8, 1 by 9-16
+    int64_t r = 0;
+    if (n <= 4)
+      for (; r + 4 <= rows; r += 4) dot_rows_bf16<T, 4>(n, src + r, nb, sc + r, mn + r, x, acc + r);
+    if (n <= 8)
+      for (; r + 2 <= rows; r += 2) dot_rows_bf16<T, 2>(n, src + r, nb, sc + r, mn + r, x, acc + r);
+    for (; r < rows; ++r) dot_rows_bf16<T, 1>(n, src + r, nb, sc + r, mn + r, x, acc + r);
     return;
   }
 #endif
