@@ -23,6 +23,8 @@ from ragblend.models.quant_kernels import (
     QuantKernels,
     block_shape,
     dequantize_reference,
+    kernels_in_use,
+    kernels_of,
     matmul_tolerance,
     quant_kernels,
     random_blocks,
@@ -211,6 +213,17 @@ def test_matmul_row_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(_kernels().matmul(x, blocks, 12, 1024, None), one)
+
+
+def test_a_build_can_be_put_in_use_for_a_block_and_is_restored_after():
+    kernels = _kernels()
+    again = kernels_of(kernels.level)  # the same build, loaded and checked again
+    assert again.level == kernels.level and again.bf16_products == kernels.bf16_products
+    with kernels_in_use(again):
+        assert quant_kernels() is again
+    assert quant_kernels() is kernels
+    with pytest.raises(ValueError, match="no quantized-kernel build"):
+        kernels_of("avx1024")
 
 
 def test_empty_weights_give_empty_outputs():
