@@ -478,36 +478,67 @@ RAGBLEND_INLINE void block_scales(const uint8_t* b, float* sc, float* mn) {
   }
 }
 
+// A 4-bit span's 16 weights (k = 0..15) as a table, with gguf's products and sums: Q4_K's
+// sub-block U (sc * k + mn), Q4_1's (sc * k) + mn, Q4_0's sc * (k - 8); and where its quants
+// are (bytes 32 (U / 2) + l of Q4_K's, U even low nibbles, odd high; the small types' low
+// nibbles then high).
+template <class T, int U>
+RAGBLEND_INLINE __m512 nibble_table(const float* sc, const float* mn) {
+  if constexpr (std::is_same_v<T, Q4_K>) {
+    return _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])), _mm512_set1_ps(mn[U]));
+  } else {
+    constexpr bool kOffset = std::is_same_v<T, Q4_1>;
+    const __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), _mm512_set1_ps(sc[0]));
+    return kOffset ? _mm512_add_ps(tab, _mm512_set1_ps(mn[0])) : tab;
+  }
+}
+template <class T, int U>
+RAGBLEND_INLINE const uint8_t* nibble_bytes(const uint8_t* b) {
+  if constexpr (std::is_same_v<T, Q4_K>) return b + 16 + 32 * (U / 2);
+  else return b + (std::is_same_v<T, Q4_1> ? 4 : 2);
+}
+
+// A Q5_0 or Q5_1 block's tables of its weights with quants 0..15 (lo) and 16..31 (hi), with
+// gguf's products and sums; returns its fifth bits (bit l: weight l's), its low 4 bits at
+// q5_bytes(b). Weight l < 16: qs[l] & 15 | bit l << 4; l + 16: qs[l] >> 4 | bit l + 16 << 4.
+template <class T>
+RAGBLEND_INLINE uint32_t q5_tables(const uint8_t* b, const float* sc, const float* mn, __m512& lo,
+                                   __m512& hi) {
+  constexpr bool kOffset = std::is_same_v<T, Q5_1>;
+  uint32_t fifth;
+  std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
+  lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), _mm512_set1_ps(sc[0]));
+  hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), _mm512_set1_ps(sc[0]));
+  if constexpr (kOffset) {
+    lo = _mm512_add_ps(lo, _mm512_set1_ps(mn[0]));
+    hi = _mm512_add_ps(hi, _mm512_set1_ps(mn[0]));
+  }
+  return fifth;
+}
+template <class T>
+RAGBLEND_INLINE const uint8_t* q5_bytes(const uint8_t* b) {
+  return b + (std::is_same_v<T, Q5_1> ? 8 : 6);
+}
+
 // Weights [32 U, 32 U + 32) of block b of type T as float32, gguf's values: w[0], w[1] 16 each.
 // sc, mn: the block's scales (T::scales, times 2^24 back: sc * q as gguf multiplies it).
 template <class T, int U>
 RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn, __m512* w) {
-  if constexpr (std::is_same_v<T, Q4_K>) {  // bytes 32 (U / 2) + l: U even low nibble, odd high
-    const uint8_t* p = b + 16 + 32 * (U / 2);
-    const __m512 tab = _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])),
-                                     _mm512_set1_ps(mn[U]));
+  if constexpr (std::is_same_v<T, Q4_K>) {
+    const uint8_t* p = nibble_bytes<T, U>(b);
+    const __m512 tab = nibble_table<T, U>(sc, mn);
     w[0] = _mm512_permutexvar_ps(nibbles16<U % 2 == 1>(p), tab);
     w[1] = _mm512_permutexvar_ps(nibbles16<U % 2 == 1>(p + 16), tab);
   } else if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q4_0>) {  // low, high
-    constexpr bool kOffset = std::is_same_v<T, Q4_1>;
-    const uint8_t* p = b + (kOffset ? 4 : 2);
-    __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), _mm512_set1_ps(sc[0]));
-    if constexpr (kOffset) tab = _mm512_add_ps(tab, _mm512_set1_ps(mn[0]));
+    const uint8_t* p = nibble_bytes<T, U>(b);
+    const __m512 tab = nibble_table<T, U>(sc, mn);
     w[0] = _mm512_permutexvar_ps(nibbles16<false>(p), tab);
     w[1] = _mm512_permutexvar_ps(nibbles16<true>(p), tab);
   } else if constexpr (std::is_same_v<T, Q5_1> || std::is_same_v<T, Q5_0>) {
-    // weight l < 16: qs[l] & 15 | bit l of qh << 4; l + 16: qs[l] >> 4 | bit l + 16 of qh << 4.
     // The fifth bit picks the table: qh's bits are the masks of a masked vpermps.
-    constexpr bool kOffset = std::is_same_v<T, Q5_1>;
-    const uint8_t* p = b + (kOffset ? 8 : 6);
-    uint32_t fifth;
-    std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
-    __m512 lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), _mm512_set1_ps(sc[0]));
-    __m512 hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), _mm512_set1_ps(sc[0]));
-    if constexpr (kOffset) {
-      lo = _mm512_add_ps(lo, _mm512_set1_ps(mn[0]));
-      hi = _mm512_add_ps(hi, _mm512_set1_ps(mn[0]));
-    }
+    __m512 lo, hi;
+    const uint32_t fifth = q5_tables<T>(b, sc, mn, lo, hi);
+    const uint8_t* p = q5_bytes<T>(b);
     const __m512i i0 = nibbles16<false>(p), i1 = nibbles16<true>(p);
     w[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(i0, lo),
                                       static_cast<__mmask16>(fifth), i0, hi);
@@ -604,45 +635,29 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
 template <class T, int U>
 RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const float* mn) {
   if constexpr (std::is_same_v<T, Q4_K>) {
-    const uint8_t* p = b + 16 + 32 * (U / 2);
-    const __m512 tab = _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])),
-                                     _mm512_set1_ps(mn[U]));
-    __m512i i = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 tab = nibble_table<T, U>(sc, mn);
+    __m512i i = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibble_bytes<T, U>(b))));
     if constexpr (U % 2 == 1) i = _mm512_srli_epi16(i, 4);
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
   } else if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q4_0>) {
-    constexpr bool kOffset = std::is_same_v<T, Q4_1>;
-    const uint8_t* p = b + (kOffset ? 4 : 2);
-    __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), _mm512_set1_ps(sc[0]));
-    if constexpr (kOffset) tab = _mm512_add_ps(tab, _mm512_set1_ps(mn[0]));
-    __m512i i = _mm512_cvtepu8_epi16(
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 tab = nibble_table<T, U>(sc, mn);
+    __m512i i = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_bytes<T, U>(b)))));
     i = _mm512_mask_srli_epi16(i, 0xFFFF0000u, i, 4);
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
   } else if constexpr (std::is_same_v<T, Q5_1> || std::is_same_v<T, Q5_0>) {
-    constexpr bool kOffset = std::is_same_v<T, Q5_1>;
-    const uint8_t* p = b + (kOffset ? 8 : 6);
-    uint32_t fifth;
-    std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
-    __m512 lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), _mm512_set1_ps(sc[0]));
-    __m512 hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), _mm512_set1_ps(sc[0]));
-    if constexpr (kOffset) {
-      lo = _mm512_add_ps(lo, _mm512_set1_ps(mn[0]));
-      hi = _mm512_add_ps(hi, _mm512_set1_ps(mn[0]));
-    }
-    __m512i i = _mm512_cvtepu8_epi16(
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    __m512 lo, hi;
+    const uint32_t fifth = q5_tables<T>(b, sc, mn, lo, hi);
+    __m512i i = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q5_bytes<T>(b)))));
     i = _mm512_and_si512(_mm512_mask_srli_epi16(i, 0xFFFF0000u, i, 4), _mm512_set1_epi16(15));
     i = _mm512_mask_add_epi16(i, static_cast<__mmask32>(fifth), i, _mm512_set1_epi16(16));
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  } else if constexpr (std::is_same_v<T, Q8_0>) {  // sc * q, 16 quants per conversion
-    const __m512 d = _mm512_set1_ps(sc[0]);
+  } else if constexpr (std::is_same_v<T, Q8_0>) {  // its 32 quants by 16-byte loads
     const auto* p = reinterpret_cast<const __m128i*>(b + 2);
-    const __m512 w0 =
-        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
-    const __m512 w1 =
-        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
-    return _mm512_cvtne2ps_pbh(w1, w0);
+    return _mm512_cvtne2ps_pbh(scaled_int8(_mm_loadu_si128(p + 1), sc[0]),
+                               scaled_int8(_mm_loadu_si128(p), sc[0]));
   } else {
     __m512 w[2];
     weights<T, U>(b, sc, mn, w);
