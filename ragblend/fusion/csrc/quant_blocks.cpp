@@ -442,8 +442,28 @@ inline __m512i nibbles16(const uint8_t* p) {
 }
 
 // 16 int8 quants times their scale, as gguf multiplies them (sc * q, one product each)
-inline __m512 scaled_int8(__m128i q, float sc) {
-  return _mm512_mul_ps(_mm512_set1_ps(sc), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+inline __m512 scaled_int8(__m128i q, __m512 sc) {
+  return _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
+inline __m512 scaled_int8(__m128i q, float sc) { return scaled_int8(q, _mm512_set1_ps(sc)); }
+
+// The f16 at p in all 16 lanes, converted exactly
+RAGBLEND_INLINE __m512 f16x16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(h)));
+}
+
+// A 32-weight block's scale d and (Q4_1, Q5_1) offset m in all lanes, read from the block as
+// its weights are decoded: the values T::scales gives (less its 2^-24), with no pass of scalar
+// code over the blocks first (that pass took a third of a one-row matmul's time).
+template <class T>
+RAGBLEND_INLINE __m512 small_d(const uint8_t* b) {
+  return f16x16(b);
+}
+template <class T>
+RAGBLEND_INLINE __m512 small_m(const uint8_t* b) {
+  return f16x16(b + 2);
 }
 
 // A Q4_K or Q5_K block's 8 scales sc_j = d * scale_j and offsets mn_j = -(dmin * min_j), the
@@ -463,7 +483,8 @@ RAGBLEND_INLINE void k_scales512(const uint8_t* b, float* sc, float* mn) {
   _mm256_storeu_ps(mn, _mm512_extractf32x8_ps(v, 1));
 }
 
-// A block's scales (T::scales) as `weights` takes them: sc * q as gguf multiplies it.
+// A K block's scales (T::scales) as `weights` takes them: sc * q as gguf multiplies it (the
+// 32-weight types' are read with their weights: small_d, small_m).
 template <class T>
 RAGBLEND_INLINE void block_scales(const uint8_t* b, float* sc, float* mn) {
   if constexpr (std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>) {
@@ -473,8 +494,7 @@ RAGBLEND_INLINE void block_scales(const uint8_t* b, float* sc, float* mn) {
     _mm512_storeu_ps(sc, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)),
                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
   } else {
-    T::scales(b, sc, mn);
-    for (int k = 0; k < T::kElems / T::kSpan; ++k) sc[k] *= 16777216.0f;  // 2^24: exact
+    static_assert(T::kElems == 32, "a K type without its scales");
   }
 }
 
@@ -483,13 +503,13 @@ RAGBLEND_INLINE void block_scales(const uint8_t* b, float* sc, float* mn) {
 // are (bytes 32 (U / 2) + l of Q4_K's, U even low nibbles, odd high; the small types' low
 // nibbles then high).
 template <class T, int U>
-RAGBLEND_INLINE __m512 nibble_table(const float* sc, const float* mn) {
+RAGBLEND_INLINE __m512 nibble_table(const uint8_t* b, const float* sc, const float* mn) {
   if constexpr (std::is_same_v<T, Q4_K>) {
     return _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])), _mm512_set1_ps(mn[U]));
   } else {
     constexpr bool kOffset = std::is_same_v<T, Q4_1>;
-    const __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), _mm512_set1_ps(sc[0]));
-    return kOffset ? _mm512_add_ps(tab, _mm512_set1_ps(mn[0])) : tab;
+    const __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), small_d<T>(b));
+    return kOffset ? _mm512_add_ps(tab, small_m<T>(b)) : tab;
   }
 }
 template <class T, int U>
@@ -507,11 +527,13 @@ RAGBLEND_INLINE uint32_t q5_tables(const uint8_t* b, const float* sc, const floa
   constexpr bool kOffset = std::is_same_v<T, Q5_1>;
   uint32_t fifth;
   std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
-  lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), _mm512_set1_ps(sc[0]));
-  hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), _mm512_set1_ps(sc[0]));
+  const __m512 d = small_d<T>(b);
+  lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), d);
+  hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), d);
   if constexpr (kOffset) {
-    lo = _mm512_add_ps(lo, _mm512_set1_ps(mn[0]));
-    hi = _mm512_add_ps(hi, _mm512_set1_ps(mn[0]));
+    const __m512 m = small_m<T>(b);
+    lo = _mm512_add_ps(lo, m);
+    hi = _mm512_add_ps(hi, m);
   }
   return fifth;
 }
@@ -526,12 +548,12 @@ template <class T, int U>
 RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn, __m512* w) {
   if constexpr (std::is_same_v<T, Q4_K>) {
     const uint8_t* p = nibble_bytes<T, U>(b);
-    const __m512 tab = nibble_table<T, U>(sc, mn);
+    const __m512 tab = nibble_table<T, U>(b, sc, mn);
     w[0] = _mm512_permutexvar_ps(nibbles16<U % 2 == 1>(p), tab);
     w[1] = _mm512_permutexvar_ps(nibbles16<U % 2 == 1>(p + 16), tab);
   } else if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q4_0>) {  // low, high
     const uint8_t* p = nibble_bytes<T, U>(b);
-    const __m512 tab = nibble_table<T, U>(sc, mn);
+    const __m512 tab = nibble_table<T, U>(b, sc, mn);
     w[0] = _mm512_permutexvar_ps(nibbles16<false>(p), tab);
     w[1] = _mm512_permutexvar_ps(nibbles16<true>(p), tab);
   } else if constexpr (std::is_same_v<T, Q5_1> || std::is_same_v<T, Q5_0>) {
@@ -548,7 +570,10 @@ RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn,
     __m256i v[2];
     T::template bytes<U>(b, v);
     for (int k = 0; k < 2; ++k) {
-      w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), sc[T::kSpan == 32 ? U : 2 * U + k]);
+      if constexpr (T::kElems == 32)
+        w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), small_d<T>(b));
+      else
+        w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), sc[T::kSpan == 32 ? U : 2 * U + k]);
       if constexpr (T::kMin) w[k] = _mm512_add_ps(w[k], _mm512_set1_ps(mn[U]));
     }
   }
@@ -635,13 +660,13 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
 template <class T, int U>
 RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const float* mn) {
   if constexpr (std::is_same_v<T, Q4_K>) {
-    const __m512 tab = nibble_table<T, U>(sc, mn);
+    const __m512 tab = nibble_table<T, U>(b, sc, mn);
     __m512i i = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibble_bytes<T, U>(b))));
     if constexpr (U % 2 == 1) i = _mm512_srli_epi16(i, 4);
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
   } else if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q4_0>) {
-    const __m512 tab = nibble_table<T, U>(sc, mn);
+    const __m512 tab = nibble_table<T, U>(b, sc, mn);
     __m512i i = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_bytes<T, U>(b)))));
     i = _mm512_mask_srli_epi16(i, 0xFFFF0000u, i, 4);
@@ -656,8 +681,9 @@ RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const f
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   } else if constexpr (std::is_same_v<T, Q8_0>) {  // its 32 quants by 16-byte loads
     const auto* p = reinterpret_cast<const __m128i*>(b + 2);
-    return _mm512_cvtne2ps_pbh(scaled_int8(_mm_loadu_si128(p + 1), sc[0]),
-                               scaled_int8(_mm_loadu_si128(p), sc[0]));
+    const __m512 d = small_d<T>(b);
+    return _mm512_cvtne2ps_pbh(scaled_int8(_mm_loadu_si128(p + 1), d),
+                               scaled_int8(_mm_loadu_si128(p), d));
   } else {
     __m512 w[2];
     weights<T, U>(b, sc, mn, w);
@@ -807,8 +833,9 @@ void matmul_rows(const X* x, int64_t n, int64_t cols, const uint8_t* w, int64_t 
       for (int64_t r = 0; r < tile; ++r) {
         src[r] = w + (t0 + r) * row_bytes + b0 * T::kBytes;
         ahead.step(per_group * T::kBytes);
-        for (int64_t b = 0; b < nb; ++b)
-          block_scales<T>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
+        if constexpr (T::kElems == 256)
+          for (int64_t b = 0; b < nb; ++b)
+            block_scales<T>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
       }
       dot_rows<T, X>(tile, n, src, nb, scp, mnp, x + g * n * kGroup, acc);
     }
