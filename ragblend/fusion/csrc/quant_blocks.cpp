@@ -881,16 +881,28 @@ at::Tensor x_sums(const float* x, int64_t n, int64_t cols) {
   return sums;
 }
 
-// One pair's span U of a block: a += sc * sum(x q) per span of the scales s (the block's),
-// x q in 8 lanes in column order (xp: x's 32 columns; q: quants<T, U>'s).
+// The f16 at p in all 8 lanes, converted exactly
+RAGBLEND_INLINE __m256 f16x8(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(h)));
+}
+
+// One pair's span U of block blk: a += sc * sum(x q) per span of the scales s (the block's),
+// x q in 8 lanes in column order (xp: x's 32 columns; q: quants<T, U>'s). A 32-weight block's
+// scale (T::scales' sc[0]) is read from the block here, with its weights, rather than by a
+// pass of scalar code over the blocks first (which took a fifth of a one-row matmul's time).
 template <class T, int U>
-RAGBLEND_INLINE void span_dot(const __m256* q, const float* xp, const float* s, __m256& a) {
+RAGBLEND_INLINE void span_dot(const __m256* q, const float* xp, const uint8_t* blk,
+                              const float* s, __m256& a) {
   if constexpr (T::kSpan == 32) {
     __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
     t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
     t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), q[2], t);
     t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], t);
-    a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + U), t, a);
+    const __m256 sc = T::kElems == 32 ? _mm256_mul_ps(f16x8(blk), _mm256_set1_ps(kQ))
+                                      : _mm256_broadcast_ss(s + U);
+    a = _mm256_fmadd_ps(sc, t, a);
   } else {
     __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]);
     t = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], t);
@@ -901,13 +913,14 @@ RAGBLEND_INLINE void span_dot(const __m256* q, const float* xp, const float* s, 
   }
 }
 
-// One pair's offsets of block b (types with a minimum): a += mn * x's sums (xsp: the x row's
-// sums in its group, mn: the weight row's offsets).
+// One pair's offsets of block b at blk (types with a minimum): a += mn * x's sums (xsp: the x
+// row's sums in its group, mn: the weight row's offsets; a 32-weight block's own, read from it).
 template <class T>
-RAGBLEND_INLINE void block_min(const float* mn, int64_t b, const float* xsp, __m256& a) {
+RAGBLEND_INLINE void block_min(const uint8_t* blk, const float* mn, int64_t b, const float* xsp,
+                               __m256& a) {
   constexpr int kMn = T::kElems / 32;
-  if constexpr (T::kElems == 32)  // the block's offset times x's 8 lanes of sums
-    a = _mm256_fmadd_ps(_mm256_broadcast_ss(mn + b), _mm256_loadu_ps(xsp + 8 * b), a);
+  if constexpr (T::kElems == 32)  // the block's offset (T::scales' mn[0]) times x's 8 sums
+    a = _mm256_fmadd_ps(f16x8(blk + 2), _mm256_loadu_ps(xsp + 8 * b), a);
   else  // 8 offsets times x's 8 sums
     a = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * kMn), _mm256_loadu_ps(xsp + b * kMn), a);
 }
@@ -928,17 +941,18 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
     unroll<T::kElems / 32>([&](auto U) RAGBLEND_INLINE_LAMBDA {
       unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
         __m256 q[4];
-        quants<T, U>(src[r] + b * T::kBytes, q);
+        const uint8_t* blk = src[r] + b * T::kBytes;
+        quants<T, U>(blk, q);
         const float* s = sc[r] + b * kSc;
         unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-          span_dot<T, U>(q, x + g * kGroupOf<T> + b * T::kElems + 32 * U, s, a[r][g]);
+          span_dot<T, U>(q, x + g * kGroupOf<T> + b * T::kElems + 32 * U, blk, s, a[r][g]);
         });
       });
     });
     if constexpr (T::kMin) {
       unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
         unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-          block_min<T>(mn[r], b, xs + g * kXs<T>, a[r][g]);
+          block_min<T>(src[r] + b * T::kBytes, mn[r], b, xs + g * kXs<T>, a[r][g]);
         });
       });
     }
@@ -963,10 +977,11 @@ void dot_group(const uint8_t* src, int64_t nb, const float* sc, const float* mn,
       __m256 q[4];
       quants<T, U>(blk, q);
       for (int g = 0; g < G; ++g)
-        span_dot<T, U>(q, x + g * kGroupOf<T> + b * T::kElems + 32 * U, sc + b * kSc, a[g]);
+        span_dot<T, U>(q, x + g * kGroupOf<T> + b * T::kElems + 32 * U, blk, sc + b * kSc,
+                       a[g]);
     });
     if constexpr (T::kMin)
-      for (int g = 0; g < G; ++g) block_min<T>(mn, b, xs + g * kXs<T>, a[g]);
+      for (int g = 0; g < G; ++g) block_min<T>(blk, mn, b, xs + g * kXs<T>, a[g]);
   }
   for (int g = 0; g < G; ++g) acc[g] = a[g];
 }
@@ -1018,8 +1033,9 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
         for (int64_t r = 0; r < tile; ++r) {
           src[r] = w + (t0 + r) * row_bytes + b0 * T::kBytes;
           ahead.step(per_group * T::kBytes);
-          for (int64_t b = 0; b < nb; ++b)
-            T::scales(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
+          if constexpr (T::kElems == 256)  // a 32-weight block's are read with its weights
+            for (int64_t b = 0; b < nb; ++b)
+              T::scales(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
         }
         dot_tile<T, kRowTile, 1>(src, nb, scp, mnp, xg, xsg, acc);
         continue;
@@ -1027,8 +1043,9 @@ void matmul_rows(const float* x, int64_t n, int64_t cols, const uint8_t* w, int6
       for (int64_t r = 0; r < tile; ++r) {  // a row at a time, its scales while it is in L1
         const uint8_t* s = w + (t0 + r) * row_bytes + b0 * T::kBytes;
         ahead.step(per_group * T::kBytes);
-        for (int64_t b = 0; b < nb; ++b)
-          T::scales(s + b * T::kBytes, sc[0] + b * kSc, mn[0] + b * kMn);
+        if constexpr (T::kElems == 256)
+          for (int64_t b = 0; b < nb; ++b)
+            T::scales(s + b * T::kBytes, sc[0] + b * kSc, mn[0] + b * kMn);
         for (int64_t i0 = 0; i0 < n; i0 += kChunk)
           dot_chunk<T>(std::min(kChunk, n - i0), s, nb, sc[0], mn[0], xg + i0 * kGroupOf<T>,
                        T::kMin ? xsg + i0 * kXs<T> : nullptr, acc[r] + i0);
