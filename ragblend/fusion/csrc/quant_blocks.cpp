@@ -457,14 +457,8 @@ RAGBLEND_INLINE __m512 f16x16(const uint8_t* p) {
 // A 32-weight block's scale d and (Q4_1, Q5_1) offset m in all lanes, read from the block as
 // its weights are decoded: the values T::scales gives (less its 2^-24), with no pass of scalar
 // code over the blocks first (that pass took a third of a one-row matmul's time).
-template <class T>
-RAGBLEND_INLINE __m512 small_d(const uint8_t* b) {
-  return f16x16(b);
-}
-template <class T>
-RAGBLEND_INLINE __m512 small_m(const uint8_t* b) {
-  return f16x16(b + 2);
-}
+RAGBLEND_INLINE __m512 small_d(const uint8_t* b) { return f16x16(b); }
+RAGBLEND_INLINE __m512 small_m(const uint8_t* b) { return f16x16(b + 2); }
 
 // A Q4_K or Q5_K block's 8 scales sc_j = d * scale_j and offsets mn_j = -(dmin * min_j), the
 // products gguf rounds, in one 16-lane multiply (k_scale_bytes' unpacking; no 2^-24 round
@@ -494,7 +488,7 @@ RAGBLEND_INLINE void block_scales(const uint8_t* b, float* sc, float* mn) {
     _mm512_storeu_ps(sc, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)),
                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
   } else {
-    static_assert(T::kElems == 32, "a K type without its scales");
+    static_assert(T::kElems != 32, "a 32-weight block's scales are read with its weights");
   }
 }
 
@@ -508,8 +502,8 @@ RAGBLEND_INLINE __m512 nibble_table(const uint8_t* b, const float* sc, const flo
     return _mm512_add_ps(_mm512_mul_ps(iota16(0), _mm512_set1_ps(sc[U])), _mm512_set1_ps(mn[U]));
   } else {
     constexpr bool kOffset = std::is_same_v<T, Q4_1>;
-    const __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), small_d<T>(b));
-    return kOffset ? _mm512_add_ps(tab, small_m<T>(b)) : tab;
+    const __m512 tab = _mm512_mul_ps(iota16(kOffset ? 0.0f : -8.0f), small_d(b));
+    return kOffset ? _mm512_add_ps(tab, small_m(b)) : tab;
   }
 }
 template <class T, int U>
@@ -527,11 +521,11 @@ RAGBLEND_INLINE uint32_t q5_tables(const uint8_t* b, const float* sc, const floa
   constexpr bool kOffset = std::is_same_v<T, Q5_1>;
   uint32_t fifth;
   std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
-  const __m512 d = small_d<T>(b);
+  const __m512 d = small_d(b);
   lo = _mm512_mul_ps(iota16(kOffset ? 0.0f : -16.0f), d);
   hi = _mm512_mul_ps(iota16(kOffset ? 16.0f : 0.0f), d);
   if constexpr (kOffset) {
-    const __m512 m = small_m<T>(b);
+    const __m512 m = small_m(b);
     lo = _mm512_add_ps(lo, m);
     hi = _mm512_add_ps(hi, m);
   }
@@ -571,7 +565,7 @@ RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn,
     T::template bytes<U>(b, v);
     for (int k = 0; k < 2; ++k) {
       if constexpr (T::kElems == 32)
-        w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), small_d<T>(b));
+        w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), small_d(b));
       else
         w[k] = scaled_int8(_mm256_castsi256_si128(v[k]), sc[T::kSpan == 32 ? U : 2 * U + k]);
       if constexpr (T::kMin) w[k] = _mm512_add_ps(w[k], _mm512_set1_ps(mn[U]));
@@ -681,7 +675,7 @@ RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const f
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   } else if constexpr (std::is_same_v<T, Q8_0>) {  // its 32 quants by 16-byte loads
     const auto* p = reinterpret_cast<const __m128i*>(b + 2);
-    const __m512 d = small_d<T>(b);
+    const __m512 d = small_d(b);
     return _mm512_cvtne2ps_pbh(scaled_int8(_mm_loadu_si128(p + 1), d),
                                scaled_int8(_mm_loadu_si128(p), d));
   } else {
@@ -836,6 +830,8 @@ void matmul_rows(const X* x, int64_t n, int64_t cols, const uint8_t* w, int64_t 
         if constexpr (T::kElems == 256)
           for (int64_t b = 0; b < nb; ++b)
             block_scales<T>(src[r] + b * T::kBytes, sc[r] + b * kSc, mn[r] + b * kMn);
+        else if constexpr (std::is_same_v<T, Q8_0>)  // the fewest ops per byte: its tile waits
+          prefetch(src[r], src[r] + nb * T::kBytes);  // on memory unless the group is asked for
       }
       dot_rows<T, X>(tile, n, src, nb, scp, mnp, x + g * n * kGroup, acc);
     }
