@@ -29,7 +29,7 @@ import torch
 from ragblend import BlendConfig, BlendEngine
 from ragblend.bench.datasets import default_dataset, load_cases
 from ragblend.bench.environment import cpu_environment, write_report
-from ragblend.layer_decode import decode_batch
+from ragblend.layer_decode import LayerDecoder, decode_batch
 from ragblend.models.quant_kernels import QuantKernels, kernels_in_use, kernels_of
 
 
@@ -66,7 +66,10 @@ def main() -> None:
         prompt = engine.tokenize(case.question, case.chunks)
         prefill = engine.prefill(prompt, "full")
         room = args.steps * (args.repeats + 1) * len(builds) + 1
-        decoders = [engine.decoder(prefill, room) for _ in range(max(batches))]
+        made = [engine.decoder(prefill, room) for _ in range(max(batches))]
+        decoders = [d for d in made if isinstance(d, LayerDecoder)]
+        if len(decoders) != len(made):
+            raise SystemExit(f"{args.model}: its decode steps run HF's modules, not batched ones")
         times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in builds for b in batches}
         for repeat in range(args.repeats + 1):  # the first: warm-up, not counted
             for name, kernels in builds.items():

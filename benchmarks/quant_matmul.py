@@ -22,6 +22,7 @@ first case per repeat reads it from memory and the next ones from the cache.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -67,17 +68,17 @@ def cases(
             for level, k in builds.items():
                 label = f"{name} {level}" if len(builds) > 1 else name
                 out[f"{label} matmul n={n}"] = (
-                    lambda x=xs[n], b=blocks, q=qtype, k=k: k.matmul(x, b, q, cols, None),
+                    functools.partial(k.matmul, xs[n], blocks, qtype, cols, None),
                     nbytes,
                 )
         out[f"{name} dequantize f32"] = (
-            lambda b=blocks, q=qtype: kernels.dequantize(b, q, cols, torch.float32),
+            functools.partial(kernels.dequantize, blocks, qtype, cols, torch.float32),
             nbytes,
         )
     assert weight is not None
     short = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
     for n in ns:
-        out[f"F.linear {short} n={n}"] = (lambda x=xs[n], w=weight: F.linear(x, w), weight.nbytes)
+        out[f"F.linear {short} n={n}"] = (functools.partial(F.linear, xs[n], weight), weight.nbytes)
     return out
 
 
