@@ -516,8 +516,7 @@ RAGBLEND_INLINE const uint8_t* nibble_bytes(const uint8_t* b) {
 // gguf's products and sums; returns its fifth bits (bit l: weight l's), its low 4 bits at
 // q5_bytes(b). Weight l < 16: qs[l] & 15 | bit l << 4; l + 16: qs[l] >> 4 | bit l + 16 << 4.
 template <class T>
-RAGBLEND_INLINE uint32_t q5_tables(const uint8_t* b, const float* sc, const float* mn, __m512& lo,
-                                   __m512& hi) {
+RAGBLEND_INLINE uint32_t q5_tables(const uint8_t* b, __m512& lo, __m512& hi) {
   constexpr bool kOffset = std::is_same_v<T, Q5_1>;
   uint32_t fifth;
   std::memcpy(&fifth, b + (kOffset ? 4 : 2), 4);
@@ -537,7 +536,8 @@ RAGBLEND_INLINE const uint8_t* q5_bytes(const uint8_t* b) {
 }
 
 // Weights [32 U, 32 U + 32) of block b of type T as float32, gguf's values: w[0], w[1] 16 each.
-// sc, mn: the block's scales (T::scales, times 2^24 back: sc * q as gguf multiplies it).
+// sc, mn: a K block's scales (block_scales: sc * q as gguf multiplies it); a 32-weight block's
+// are read from b (small_d, small_m).
 template <class T, int U>
 RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn, __m512* w) {
   if constexpr (std::is_same_v<T, Q4_K>) {
@@ -553,7 +553,7 @@ RAGBLEND_INLINE void weights(const uint8_t* b, const float* sc, const float* mn,
   } else if constexpr (std::is_same_v<T, Q5_1> || std::is_same_v<T, Q5_0>) {
     // The fifth bit picks the table: qh's bits are the masks of a masked vpermps.
     __m512 lo, hi;
-    const uint32_t fifth = q5_tables<T>(b, sc, mn, lo, hi);
+    const uint32_t fifth = q5_tables<T>(b, lo, hi);
     const uint8_t* p = q5_bytes<T>(b);
     const __m512i i0 = nibbles16<false>(p), i1 = nibbles16<true>(p);
     w[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(i0, lo),
@@ -610,8 +610,8 @@ inline float pair_sum(const Acc* a) {  // fixed order: the two, halves, then as 
   return hsum(_mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1)));
 }
 
-// R weight rows (their nb blocks from src[r], scales sc[r], mn[r]) by G rows of x (one packed
-// group, [G][kGroup]): acc[r][i0 + g][0..2) += their products.
+// R weight rows (their nb blocks from src[r], K blocks' scales sc[r], mn[r]) by G rows of x
+// (one packed group, [G][kGroup]): acc[r][i0 + g][0..2) += their products.
 template <class T, int R, int G>
 void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
               const float* const* mn, const float* x, Acc (*acc)[kMaxRows][2], int64_t i0) {
@@ -667,7 +667,7 @@ RAGBLEND_INLINE __m512bh weights_bf16(const uint8_t* b, const float* sc, const f
     return (__m512bh)_mm512_permutexvar_epi16(i, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
   } else if constexpr (std::is_same_v<T, Q5_1> || std::is_same_v<T, Q5_0>) {
     __m512 lo, hi;
-    const uint32_t fifth = q5_tables<T>(b, sc, mn, lo, hi);
+    const uint32_t fifth = q5_tables<T>(b, lo, hi);
     __m512i i = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q5_bytes<T>(b)))));
     i = _mm512_and_si512(_mm512_mask_srli_epi16(i, 0xFFFF0000u, i, 4), _mm512_set1_epi16(15));
