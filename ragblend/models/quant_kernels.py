@@ -22,8 +22,8 @@ has three ops on them:
   ``vdpbf16ps``, products summed in float32 (bf16 subnormal inputs read as zero), the bias
   added and the result rounded to bf16: ``F.linear`` on those bf16 weights within
   :func:`ragblend.models.dense_decode.tolerance`, as the dense bf16 decode kernel gives; at
-  8 rows of x 1.6-1.9x the float32 products' speed (half the multiply instructions), at one
-  row 0.9-1.16x (Q6_K and Q8_0 slower, the 4- and 5-bit types as fast or faster).
+  8 rows of x 1.6-1.8x the float32 products' speed (half the multiply instructions), at one
+  row 0.94-1.16x (Q4_1 slower, Q6_K and Q8_0 as fast, Q4_K and Q5_0 faster; Zen 5).
 - ``matmul_cat(x, [blocks, ...], [qtype, ...], cols, [bias | None, ...]) -> [n, sum of rows]``:
   ``matmul`` of several weights of any types (an attention's q/k/v, an MLP's gate/up) in one
   call, their outputs side by side, each one's values what ``matmul`` gives it alone.
