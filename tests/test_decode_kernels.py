@@ -65,6 +65,24 @@ def test_each_requests_output_batched_is_its_output_alone_bit_for_bit(name, atte
         assert torch.equal(alone[0, 0], together[0, b])
 
 
+@pytest.mark.skipif(not BUILDS, reason="no native kernels at this CPU level")
+@pytest.mark.parametrize(("name", "attend", "dtype"), BUILDS, ids=IDS)
+def test_kv_rows_apart_wider_than_the_head_dim_give_what_dense_rows_give(name, attend, dtype):
+    lengths = [600, 17]
+    q, k_new, v_new, keys, values = _case((14, 2, 64), lengths, dtype, seed=11)
+    wide = [torch.zeros(*t.shape[:-1], 96, dtype=dtype) for t in (*keys, *values)]
+    for w, t in zip(wide, (*keys, *values)):
+        w[..., :64] = t
+    apart = [w[..., :64] for w in wide]  # rows 96 elements apart: the kernels' strided path
+    assert apart[0].stride(2) == 96
+    dense = attend(q, k_new, v_new, keys, values, lengths, 0, 0.125)
+    strided = attend(q, k_new, v_new, apart[:2], apart[2:], lengths, 0, 0.125)
+    assert torch.equal(strided, dense)
+    for b, p in enumerate(lengths):
+        assert torch.equal(apart[b][:, :, p], k_new[:, :, b])
+        assert torch.equal(apart[2 + b][:, :, p], v_new[:, :, b])
+
+
 @pytest.mark.skipif(not cpu_runs_kernel(torch.bfloat16), reason="CPU level below avx512_bf16")
 def test_bf16_kernel_rejects_fp32_q_and_a_head_dim_it_does_not_take():
     build_kernels(torch.bfloat16)

@@ -52,12 +52,15 @@ RAGBLEND_INLINE __m512bh bf16x32(const uint16_t* p) {
 // s[r * kKeyBlock + t - begin] = scale * q_r . k_t for the rows query rows and keys
 // [begin, end); 16 keys at a time, each row's 16 sums from one transposing reduction. values:
 // the block's first value row, prefetched once the keys ahead are all asked for.
-// D: the head dim where it is known when compiling (loops unrolled), else 0 and `dim`.
-template <int D>
+// D: the head dim where it is known when compiling (loops unrolled), else 0 and `dim`. S: the
+// rows' stride where it is known (rows of D, dense: the 16 keys' offsets constants, where a
+// variable stride kept 16 row pointers, more than the registers hold), else 0 and the strides.
+template <int D, int S>
 void scores(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* keys,
             int64_t key_stride, const uint16_t* values, int64_t value_stride, int64_t begin,
             int64_t end, int64_t dim, float scale, float* s) {
   if constexpr (D > 0) dim = D;
+  if constexpr (S > 0) key_stride = value_stride = S;
   const __m512 vscale = _mm512_set1_ps(scale);
   int64_t t = begin;
   for (; t + 16 <= end; t += 16) {
@@ -224,8 +227,12 @@ void attend_block(const uint16_t* q, int64_t q_stride, int64_t rows, const uint1
                   float* maxes, float* sums, float* out) {
   const int64_t n = end - begin, width = dim / 16;
   const uint16_t* block = values + begin * value_stride;
-  scores<D>(q, q_stride, rows, keys, key_stride, block, value_stride, begin, end, dim, scale,
-            scratch.s.data());
+  if (D > 0 && key_stride == D && value_stride == D)
+    scores<D, D>(q, q_stride, rows, keys, key_stride, block, value_stride, begin, end, dim,
+                 scale, scratch.s.data());
+  else
+    scores<D, 0>(q, q_stride, rows, keys, key_stride, block, value_stride, begin, end, dim,
+                 scale, scratch.s.data());
   exps_to_bf16(scratch.s.data(), rows, n, scratch.p.data(), maxes, sums);
   std::fill(scratch.acc.begin(), scratch.acc.end(), 0.0f);
   for (int64_t t0 = 0; t0 < n; t0 += 2 * kPairs) {

@@ -611,17 +611,20 @@ inline float lane_sum(__m512 s) {  // fixed order: halves, then as hsum
 inline float pair_sum(const Acc* a) { return lane_sum(_mm512_add_ps(a[0], a[1])); }
 
 // R weight rows (their nb blocks from src[r], K blocks' scales sc[r], mn[r]) by G rows of x
-// (one packed group, [G][kGroup]): acc[r][i0 + g][0..2) += their products.
+// (one packed group, [G][kGroup]): acc[r][i0 + g][0..2) += their products, or = them where
+// `fresh` (a row's first group: acc not read).
 template <class T, int R, int G>
 void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
-              const float* const* mn, const float* x, Acc (*acc)[kMaxRows][2], int64_t i0) {
+              const float* const* mn, const float* x, Acc (*acc)[kMaxRows][2], int64_t i0,
+              bool fresh) {
   constexpr int kSc = T::kElems / T::kSpan, kMn = T::kElems / 32;
   constexpr bool kQ6 = std::is_same_v<T, Q6_K>;
   alignas(64) int8_t q6[kQ6 ? R : 1][kQ6 ? T::kElems : 1];
   Acc a[R][G][2];
   unroll<R>([&](auto r) RAGBLEND_INLINE_LAMBDA {
     unroll<G>([&](auto g) RAGBLEND_INLINE_LAMBDA {
-      a[r][g][0] = acc[r][i0 + g][0], a[r][g][1] = acc[r][i0 + g][1];
+      a[r][g][0] = fresh ? _mm512_setzero_ps() : acc[r][i0 + g][0];
+      a[r][g][1] = fresh ? _mm512_setzero_ps() : acc[r][i0 + g][1];
     });
   });
   for (int64_t b = 0; b < nb; ++b) {
@@ -764,15 +767,46 @@ RAGBLEND_INLINE void dot_rows_bf16(int64_t n, const uint8_t* const* src, int64_t
 }
 #endif
 
-// rows x n pairs in tiles: 4 weight rows by 1 or 2 of x, 2 by 3 or 4, else 1 by up to 8. fresh:
-// the group is the rows' first, which the bf16 tile starts from zero (the float32 tile's
-// accumulators are zeroed by matmul_rows)
+// rows x n pairs of float32 x in tiles: 4 weight rows by 1 or 2 of x, 2 by 3 or 4, else 1 by
+// up to 8. fresh: the group is the rows' first, which the tiles start from zero in registers
+template <class T>
+void dot_rows_f32(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
+                  const float* const* sc, const float* const* mn, const float* x,
+                  Acc (*acc)[kMaxRows][2], bool fresh) {
+  const int64_t R = n <= 2 ? 4 : n <= 4 ? 2 : 1;
+  int64_t r = 0;
+  for (; R > 1 && r + R <= rows; r += R) {
+    const auto* s = src + r;
+    if (n == 1) dot_tile<T, 4, 1>(s, nb, sc + r, mn + r, x, acc + r, 0, fresh);
+    else if (n == 2) dot_tile<T, 4, 2>(s, nb, sc + r, mn + r, x, acc + r, 0, fresh);
+    else if (n == 3) dot_tile<T, 2, 3>(s, nb, sc + r, mn + r, x, acc + r, 0, fresh);
+    else dot_tile<T, 2, 4>(s, nb, sc + r, mn + r, x, acc + r, 0, fresh);
+  }
+  for (; r < rows; ++r)
+    for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+      const auto* s = src + r;
+      const float* xi = x + i0 * kGroup;
+      switch (std::min(kChunk, n - i0)) {
+        case 1: dot_tile<T, 1, 1>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        case 2: dot_tile<T, 1, 2>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        case 3: dot_tile<T, 1, 3>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        case 4: dot_tile<T, 1, 4>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        case 5: dot_tile<T, 1, 5>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        case 6: dot_tile<T, 1, 6>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        case 7: dot_tile<T, 1, 7>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+        default: dot_tile<T, 1, 8>(s, nb, sc + r, mn + r, xi, acc + r, i0, fresh); break;
+      }
+    }
+}
+
+// rows x n pairs: dot_rows_f32's tiles, or for bf16 x (the AVX512-BF16 build) 4 weight rows by
+// 1-4 rows of x, 2 by 5-8, 1 by 9-16
 template <class T, typename X>
 void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
               const float* const* sc, const float* const* mn, const X* x,
               Acc (*acc)[kMaxRows][2], bool fresh) {
 #ifdef RAGBLEND_QUANT_BF16
-  if constexpr (std::is_same_v<X, uint16_t>) {  // 4 weight rows by 1-4 of x, 2 by 5-8, 1 by 9-16
+  if constexpr (std::is_same_v<X, uint16_t>) {
     int64_t r = 0;
     const auto rows_of = [&](auto R) RAGBLEND_INLINE_LAMBDA {
       dot_rows_bf16<T, R>(n, src + r, nb, sc + r, mn + r, x, acc + r, fresh);
@@ -783,32 +817,9 @@ void dot_rows(int64_t rows, int64_t n, const uint8_t* const* src, int64_t nb,
       for (; r + 2 <= rows; r += 2) rows_of(std::integral_constant<int, 2>{});
     for (; r < rows; ++r) rows_of(std::integral_constant<int, 1>{});
     return;
-  }
+  } else
 #endif
-  const int64_t R = n <= 2 ? 4 : n <= 4 ? 2 : 1;
-  int64_t r = 0;
-  for (; R > 1 && r + R <= rows; r += R) {
-    const auto* s = src + r;
-    if (n == 1) dot_tile<T, 4, 1>(s, nb, sc + r, mn + r, x, acc + r, 0);
-    else if (n == 2) dot_tile<T, 4, 2>(s, nb, sc + r, mn + r, x, acc + r, 0);
-    else if (n == 3) dot_tile<T, 2, 3>(s, nb, sc + r, mn + r, x, acc + r, 0);
-    else dot_tile<T, 2, 4>(s, nb, sc + r, mn + r, x, acc + r, 0);
-  }
-  for (; r < rows; ++r)
-    for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
-      const auto* s = src + r;
-      const X* xi = x + i0 * kGroup;
-      switch (std::min(kChunk, n - i0)) {
-        case 1: dot_tile<T, 1, 1>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        case 2: dot_tile<T, 1, 2>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        case 3: dot_tile<T, 1, 3>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        case 4: dot_tile<T, 1, 4>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        case 5: dot_tile<T, 1, 5>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        case 6: dot_tile<T, 1, 6>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        case 7: dot_tile<T, 1, 7>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-        default: dot_tile<T, 1, 8>(s, nb, sc + r, mn + r, xi, acc + r, i0); break;
-      }
-    }
+    dot_rows_f32<T>(rows, n, src, nb, sc, mn, x, acc, fresh);
 }
 
 // out[i, r] for weight rows [r0, r1): out [n, rows] (float32 or bf16); x packed (pack_x).
@@ -824,19 +835,16 @@ void matmul_rows(const X* x, int64_t n, int64_t cols, const uint8_t* w, int64_t 
   const float* mnp[kRowTile];
   for (int64_t r = 0; r < kRowTile; ++r) scp[r] = sc[r], mnp[r] = mn[r];
   const int64_t blocks = cols / T::kElems;
-  // The bf16 tile (bf16 x) keeps one accumulator per pair: the second is neither zeroed nor
-  // added (pair_sum's a[0] + 0 is a[0]: a sum that starts at +0 never becomes -0), and the
-  // first starts at zero in registers for a row's first group (dot_tile's `fresh`) rather
-  // than being stored as zero and loaded back. At eight rows of x that was 1.07-1.11x the
-  // speed of a 896- or 576-column matmul, the loads and stores of 16 pairs' zeros weighing on
-  // tiles of two rows.
+  // The tiles start a row's first group from zero in registers (dot_tile's `fresh`) rather
+  // than from zeros stored and loaded back, and the bf16 tile (bf16 x) keeps one accumulator
+  // per pair: the second is neither zeroed nor added (pair_sum's a[0] + 0 is a[0]: a sum that
+  // starts at +0 never becomes -0). At eight rows of x each was 1.07-1.11x the speed of a 896-
+  // or 576-column matmul (bf16 x and float32 x), the loads and stores of 16 pairs' zeros
+  // weighing on tiles of two rows.
   constexpr bool kOne = std::is_same_v<X, uint16_t>;
   TilePrefetch ahead(w, row_bytes, r0, r1);
   for (int64_t t0 = r0; t0 < r1; t0 += kRowTile) {
     const int64_t tile = std::min(kRowTile, r1 - t0);
-    if constexpr (!kOne)
-      for (int64_t r = 0; r < tile; ++r)
-        for (int64_t i = 0; i < n; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
     ahead.start(t0, tile);
     for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += per_group, ++g) {
       const int64_t nb = std::min(per_group, blocks - b0);
