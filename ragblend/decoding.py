@@ -91,9 +91,15 @@ class DecodeState:
     def text(self) -> str:
         return "".join(self._pieces)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """The next token from this step's raw ``logits`` [vocab]."""
-        return self.sampler(logits)
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the next token is the logits' argmax (greedy, no penalties)."""
+        return self.sampler.plain_greedy
+
+    def sample(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token from this step's raw ``logits`` [vocab]; ``argmax``: theirs, where
+        the caller took it for a batch (:func:`ragblend.sampling.greedy_choices`)."""
+        return self.sampler(logits, argmax)
 
     def add(self, token: int) -> str:
         """Take ``token`` (or end the answer there); the text to show now."""

@@ -126,11 +126,21 @@ class Sampler:
         seed = params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """The next token from the raw ``logits`` [vocab]."""
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without penalties: the choice is the logits' argmax, which
+        :func:`greedy_choices` takes for a whole batch at once."""
+        return self.params.greedy and not self.params.penalized
+
+    def __call__(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token from the raw ``logits`` [vocab]; ``argmax``: their argmax where the
+        caller took it already (:func:`greedy_choices`), the choice of a plain greedy sampler."""
+        if argmax is not None and self.plain_greedy:
+            self.output_ids.append(argmax)
+            return argmax
         scores = apply_penalties(logits, self.prompt_ids, self.output_ids, self.params)
         if self.params.greedy:
-            token = int(torch.argmax(scores))
+            token = int(torch.argmax(scores.float()))  # see greedy_choices
         else:
             # temperature, top-k and top-p never read the ids
             no_ids = cast("torch.LongTensor", torch.empty((1, 0), dtype=torch.long))
@@ -139,6 +149,22 @@ class Sampler:
             token = int(torch.multinomial(probs, 1, generator=self.generator))
         self.output_ids.append(token)
         return token
+
+
+def greedy_choices(logits: torch.Tensor, plain_greedy: Sequence[bool]) -> list[int | None]:
+    """Each row's argmax for the rows of ``logits`` [B, vocab] whose request is plain greedy
+    (None for the others): one argmax call for the batch, where one call per row took
+    0.1-0.2 ms each for a 152k vocabulary on 2 Zen 5 cores. Ties go to the first index either
+    way, so each choice is the one the row's own :class:`Sampler` makes. bf16 logits are
+    widened first (exactly): torch's CPU argmax over bf16 ran 5x slower than widening and
+    taking the float32 argmax."""
+    rows = [i for i, plain in enumerate(plain_greedy) if plain]
+    chosen: list[int | None] = [None] * len(plain_greedy)
+    if rows:
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        for i, token in zip(rows, torch.argmax(picked.float(), dim=-1).tolist()):
+            chosen[i] = int(token)
+    return chosen
 
 
 @dataclass

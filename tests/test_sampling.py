@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from ragblend.errors import RagblendError
-from ragblend.sampling import Sampler, SamplingParams, apply_penalties, token_logprobs
+from ragblend.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    greedy_choices,
+    token_logprobs,
+)
 
 
 def test_penalties_match_a_hand_computation():
@@ -43,6 +49,39 @@ def test_greedy_choice_applies_the_penalties_first():
     assert [plain(logits) for _ in range(2)] == [0, 0]
     # after choosing 0 once, its logit is 5 - 2 = 3 < 4: the next choice is 1
     assert [penalized(logits) for _ in range(2)] == [0, 1]
+
+
+def test_a_batchs_greedy_choices_are_each_rows_own_samplers_choice():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=gen)
+    logits[1, [7, 300]] = 9.0  # a tie: the first index, alone or batched
+    logits[3, [999, 2]] = 9.0
+    alone = [Sampler(SamplingParams())(row) for row in logits]
+    assert alone[1] == 7 and alone[3] == 2
+    assert greedy_choices(logits, [True] * 5) == alone
+    assert greedy_choices(logits, [True, False, False, True, True]) == [
+        alone[0],
+        None,
+        None,
+        alone[3],
+        alone[4],
+    ]
+    assert greedy_choices(logits, [False] * 5) == [None] * 5
+    # bf16 logits (widened before the argmax): bf16's own argmax, its many ties included
+    coarse = (logits * 2).round().bfloat16()
+    assert greedy_choices(coarse, [True] * 5) == [int(torch.argmax(row)) for row in coarse]
+    assert [Sampler(SamplingParams())(row) for row in coarse] == greedy_choices(coarse, [True] * 5)
+
+
+def test_a_sampler_takes_the_batchs_argmax_only_where_it_is_its_own_choice():
+    logits = torch.tensor([5.0, 4.0, 0.0])
+    plain = Sampler(SamplingParams())
+    assert plain.plain_greedy and plain(logits, argmax=0) == 0 and plain.output_ids == [0]
+    penalized = Sampler(SamplingParams(frequency_penalty=2.0))
+    assert not penalized.plain_greedy
+    # the batch's argmax (0) is not a penalized request's choice: it chooses for itself
+    assert [penalized(logits, argmax=0) for _ in range(2)] == [0, 1]
+    assert not Sampler(SamplingParams(temperature=1.0)).plain_greedy
 
 
 def test_repetition_penalty_reads_the_prompt():

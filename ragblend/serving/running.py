@@ -40,9 +40,10 @@ class RunningRequest:
         """The last token of the answer, fed at the next step."""
         return self.state.token_ids[-1]
 
-    def choose(self, logits: torch.Tensor) -> None:
-        """Choose the next token from this step's raw ``logits`` and hand it out."""
-        self.accept(self.state.sample(logits), logits)
+    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> None:
+        """Choose the next token from this step's raw ``logits`` and hand it out; ``argmax``:
+        their argmax where the step took it for the batch."""
+        self.accept(self.state.sample(logits, argmax), logits)
 
     def accept(self, token: int, logits: torch.Tensor) -> None:
         """Hand out ``token``, chosen from ``logits`` (or end the request there)."""

@@ -10,7 +10,9 @@ computation of the server (one OpenMP team, see ``ragblend.threads``), in a loop
    and its first token is sent;
 4. every running request decodes one token, all as one batch
    (:func:`ragblend.layer_decode.decode_batch`: one GEMM per linear over all their rows,
-   attention per request over its own cache).
+   attention per request over its own cache); the greedy requests' tokens are chosen by one
+   argmax over their rows (:func:`ragblend.sampling.greedy_choices`), the others' each by
+   its own sampler.
 
 So a new request waits at most one decode step for its prefill, and running requests pause
 for at most one prefill. The waiting queue is bounded: :meth:`Scheduler.submit` raises
@@ -36,6 +38,7 @@ from ragblend.errors import RagblendError
 from ragblend.fallback import fall_back
 from ragblend.generation import BlendStats, HFDecoder, Prefill
 from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.sampling import greedy_choices
 from ragblend.serving.events import Failed, GenerationJob, QueueFull, RequestHandle, Unavailable
 from ragblend.serving.jobs import NO_CHUNK
 from ragblend.serving.metrics import ServerMetrics
@@ -257,8 +260,9 @@ class Scheduler:
             if batch:
                 decoders = [r.decoder for r in batch if isinstance(r.decoder, LayerDecoder)]
                 logits = decode_batch(decoders, [r.token for r in batch])
-                for r, row in zip(batch, logits):
-                    r.choose(row)
+                greedy = greedy_choices(logits, [r.state.plain_greedy for r in batch])
+                for r, row, argmax in zip(batch, logits, greedy):
+                    r.choose(row, argmax)
             for r in solo:
                 if r.decoder is not None:
                     r.choose(r.decoder.step(r.token))
