@@ -203,6 +203,27 @@ def test_matmul_row_is_the_same_alone_and_batched(qtype, rows):
     assert torch.equal(middle, batched[3:10])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_outputs_are_the_same_alone_and_batched(dtype):
+    # inf in x makes outputs of +-inf and NaN (inf - inf: the CPU's NaN is negative); a batch
+    # sums a tile's outputs together, a lone row one by one: both round them alike (bf16 NaN
+    # as c10::BFloat16's 0x7FC0)
+    blocks, _ = _case(8, 40, 256, seed=7)
+    x = torch.randn(MAX_ROWS, 256, generator=torch.Generator().manual_seed(7))
+    x[2, 5] = float("inf")
+    x[9, :] = float("inf")
+    x[12, 3] = float("nan")
+    x = x.to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    batched = _kernels().matmul(x, blocks, 8, 256, None)
+    assert bool(batched[9].isnan().any()) and bool(batched[12].isnan().all())
+    for i in range(MAX_ROWS):
+        alone = _kernels().matmul(x[i : i + 1].contiguous(), blocks, 8, 256, None)
+        assert torch.equal(alone[0].view(bits), batched[i].view(bits)), f"row {i}"
+    if dtype == torch.bfloat16:
+        assert bool((batched[12].view(torch.int16) == 0x7FC0).all())
+
+
 def test_matmul_row_does_not_depend_on_the_thread_count():
     blocks, _ = _case(12, 200, 1024, seed=4)
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
