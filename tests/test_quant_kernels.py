@@ -167,8 +167,9 @@ def test_bf16_matmul_is_the_float32_matmul_rounded_to_bf16(qtype):
 )
 @pytest.mark.parametrize("qtype", TYPES, ids=[QUANT_TYPES[t] for t in TYPES])
 def test_bf16_products_matmul_is_f_linear_on_the_weights_rounded_to_bf16(qtype):
-    # widths with an odd number of blocks in a group of 1024 columns, and two groups
-    for cols in [512, 1280] if qtype in K_TYPES else [96 * 3, 1056]:
+    # widths whose blocks in a group of 1024 columns are not a multiple of the 2 or 4 a tile
+    # takes per step (9, 7 blocks), and two groups
+    for cols in [512, 1280] if qtype in K_TYPES else [96 * 3, 224, 1056]:
         blocks, _ = _case(qtype, 37, cols, seed=6)
         weight = _kernels().dequantize(blocks, qtype, cols, torch.bfloat16)
         gen = torch.Generator().manual_seed(qtype + 200)
