@@ -781,8 +781,9 @@ void dot_tile(const uint8_t* const* src, int64_t nb, const float* const* sc,
   };
   // kAhead spans of all R rows decoded before their products (a span's products wait on its
   // decoding's chain of dependent ops: table, conversion, lookup); the table types' one-span
-  // blocks two at a time, four where the tile has 1 or 2 weight rows (5-16 rows of x: 1.05-
-  // 1.11x a Q5_0 matmul's speed at 6-16 rows against two); Q8_0's as fast one at a time
+  // blocks two at a time, four where the tile has 1 or 2 weight rows (5-16 rows of x: up to
+  // 1.1x a Q5_0 matmul's speed against two; four at 4 weight rows gained nothing); Q8_0's as
+  // fast one at a time
   constexpr int kBlocks =
       kSpans == 1 && !std::is_same_v<T, Q8_0> ? (R <= 2 ? 4 : 2) : 1;
   constexpr int kPerStep = kSpans * kBlocks;
