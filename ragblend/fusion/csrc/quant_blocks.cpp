@@ -633,21 +633,17 @@ RAGBLEND_INLINE __m512 lane_sums16(const __m512* a) {
 }
 
 // 4 x 4 outputs from v's lanes: lane 4 i + r to out[i * stride + r], float32 or rounded to
-// bf16 as round_bf16 rounds
+// bf16 (bf16_bits: round_bf16's values)
 RAGBLEND_INLINE void store4x4(float* out, int64_t stride, __m512 v) {
   unroll<4>([&](auto i) RAGBLEND_INLINE_LAMBDA {
     _mm_storeu_ps(out + i * stride, _mm512_extractf32x4_ps(v, decltype(i)::value));
   });
 }
 RAGBLEND_INLINE void store4x4(uint16_t* out, int64_t stride, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i b = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-  b = _mm512_mask_mov_epi32(b, nan, _mm512_set1_epi32(0x7FC0));
-  const __m256i h = _mm512_cvtepi32_epi16(b);
+  const __m512i bits = _mm512_inserti64x4(
+      _mm512_castsi256_si512(bf16_bits(_mm512_castps512_ps256(v))),
+      bf16_bits(_mm512_extractf32x8_ps(v, 1)), 1);
+  const __m256i h = _mm512_cvtepi32_epi16(bits);
   unroll<4>([&](auto i) RAGBLEND_INLINE_LAMBDA {
     const int64_t four = _mm256_extract_epi64(h, decltype(i)::value);
     std::memcpy(out + i * stride, &four, 8);
