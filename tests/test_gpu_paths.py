@@ -225,3 +225,23 @@ def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
     assert attn["cases"][0]["sdpa_blocks_max_abs_err"] < 5e-2
     assert (out / "ttft_tiny.png").is_file() and (out / "rate_tiny.png").is_file()
     assert not list(tmp_path.glob("ragblend-gpubench-*"))  # the disk tier was removed
+
+
+def test_a_model_off_the_cpu_gets_no_cpu_kernel_compiled_or_checked(monkeypatch):
+    # Decoding a GPU model went into the CPU kernels (compiling C++ CPU extensions for
+    # minutes, no token): preparing decode off the CPU must touch none of them. The meta
+    # device stands in for the GPU.
+    from torch import nn
+
+    from ragblend.models import packed
+
+    def no_cpu_kernels(*args, **kwargs):
+        raise AssertionError("a CPU kernel was asked for a model off the CPU")
+
+    monkeypatch.setattr(packed.quantized, "fused_matmul", no_cpu_kernels)
+    monkeypatch.setattr(packed, "native_bf16", no_cpu_kernels)
+    monkeypatch.setattr(packed, "available", no_cpu_kernels)
+    model = tiny_model("llama", dtype=torch.bfloat16).to("meta")
+    assert packed.pack_decode_linears(model) == 0
+    assert not packed.is_packed(model)
+    assert packed.pack_decode_linears(nn.Linear(4, 4, device="meta")) == 0

@@ -11,6 +11,8 @@ from conftest import CHUNKS, QUESTION, tiny_model
 
 from ragblend import BlendConfig, BlendEngine, chunk_cache, threads
 from ragblend.errors import CorruptEntryError
+from ragblend.fusion import layer_loader
+from ragblend.fusion import staging as staging_module
 from ragblend.fusion.layer_loader import LayerLoader
 from ragblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore
 
@@ -40,8 +42,10 @@ class RecordingKV:
         return self.inner.layer(index)
 
 
-def loader(caches, lengths, prefetch: int) -> LayerLoader:
-    return LayerLoader(caches, lengths, LAYERS, HEADS, DIM, "cpu", torch.float32, prefetch=prefetch)
+def loader(caches, lengths, prefetch: int, staging: bool = False) -> LayerLoader:
+    return LayerLoader(
+        caches, lengths, LAYERS, HEADS, DIM, "cpu", torch.float32, prefetch, staging=staging
+    )
 
 
 def expected_layer(caches, lengths, layer):
@@ -61,14 +65,15 @@ def no_loader_threads() -> bool:
     return not any(t.name == "ragblend-layer-loader" for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("staging", [False, True])  # True: the CUDA path's host ring, on CPU
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_layers_come_in_order_with_every_segment_in_place(prefetch, tmp_path):
+def test_layers_come_in_order_with_every_segment_in_place(prefetch, staging, tmp_path):
     disk = DiskStore(tmp_path, 1 << 30, fsync=False)
     disk.put("c", kv(5, 2))
-    caches = [kv(3, 0), None, disk.get("c"), kv(4, 1)]
-    lengths = [3, 2, 5, 4]
+    caches = [kv(3, 0), None, disk.get("c"), kv(4, 1), None]
+    lengths = [3, 2, 5, 4, 1]
     seen = []
-    for layer, k, v in loader(caches, lengths, prefetch):
+    for layer, k, v in loader(caches, lengths, prefetch, staging):
         want_k, want_v = expected_layer(caches, lengths, layer)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
         seen.append(layer)
@@ -97,12 +102,13 @@ def test_reader_never_gets_more_than_the_prefetch_depth_ahead(prefetch):
     assert 1 <= lo.max_ahead <= prefetch + 1
 
 
+@pytest.mark.parametrize("staging", [False, True])
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_reader_exception_reaches_the_consumer_at_its_layer(prefetch):
+def test_a_reader_exception_reaches_the_consumer_at_its_layer(prefetch, staging):
     caches = [kv(3, 0), RecordingKV(kv(2, 1), fail_at=3)]
     seen = []
     with pytest.raises(CorruptEntryError, match="layer 3"):
-        for layer, _, _ in loader(caches, [3, 2], prefetch):
+        for layer, _, _ in loader(caches, [3, 2], prefetch, staging):
             seen.append(layer)
     assert seen == [0, 1, 2]
     assert no_loader_threads()
@@ -116,6 +122,70 @@ def test_a_consumer_that_stops_early_does_not_leave_the_reader_running():
     it.close()
     assert no_loader_threads()
     assert len(cache.reads) < LAYERS + 1
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_consumer_in_inference_mode_gets_every_layer_through_the_staging_ring(prefetch):
+    # The ring is made in the consumer's inference mode; a reader thread outside it could not
+    # write those tensors ("Inplace update to inference tensor outside InferenceMode"): the
+    # failure the CUDA disk tier had.
+    caches = [kv(3, 0), None, kv(4, 1)]
+    with torch.inference_mode():
+        got = [(k.clone(), v.clone()) for _, k, v in loader(caches, [3, 2, 4], prefetch, True)]
+    for layer, (k, v) in enumerate(got):
+        want_k, want_v = expected_layer(caches, [3, 2, 4], layer)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert no_loader_threads()
+
+
+class RecordingEvent:
+    def __init__(self, log: list, name: int) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+class RecordingCopies(staging_module.HostCopies):
+    """The CPU copy engine, recording every event made and waited on."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.log: list = []
+        self.events = 0
+
+    def record(self):
+        self.events += 1
+        self.log.append(("record", self.events))
+        return RecordingEvent(self.log, self.events)
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_the_staging_ring_refills_a_buffer_only_after_its_last_copy_finished(prefetch, monkeypatch):
+    made = []
+
+    def copies_for(device):
+        made.append(RecordingCopies(device))
+        return made[-1]
+
+    monkeypatch.setattr(layer_loader, "copies_for", copies_for)
+    lo = loader([kv(3, 0), kv(2, 1)], [3, 2], prefetch, staging=True)
+    hand_overs = 0
+    for _ in lo:
+        hand_overs += 1
+    log = made[0].log
+    # per layer: the ring slot's copy event, then the layer's ready event (recorded in order)
+    recorded = [name for what, name in log if what == "record"]
+    assert len(recorded) == 2 * LAYERS and hand_overs == LAYERS
+    slots = prefetch + 1
+    for layer in range(LAYERS):
+        copy_event, ready_event = 2 * layer + 1, 2 * layer + 2
+        assert ("wait", ready_event) in log  # the consumer waited for its layer
+        if layer + slots < LAYERS:  # the slot is refilled for layer + slots after this copy
+            refill = log.index(("record", 2 * (layer + slots) + 1))
+            assert log.index(("wait", copy_event)) < refill
+        else:
+            assert ("wait", copy_event) not in log  # nothing waits for the last copies
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

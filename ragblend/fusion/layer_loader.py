@@ -5,11 +5,13 @@ segment has no cache) into fresh tensors on the compute device, so the fusor may
 them without touching the store's copies.
 
 With ``prefetch > 0`` a reader thread loads up to ``prefetch`` layers ahead while the fusor
-computes the current one (paper §5 pipelining): on CPU it reads the tier (disk → RAM) into the
-layer tensors; on CUDA it additionally stages host data in pinned buffers and copies them to
-the device on a side stream, recording one event per layer that the consumer's stream waits on
-(no global synchronize). A reader exception (e.g. a corrupt disk entry) is re-raised in the
-consumer at the layer where it happened.
+computes the current one (paper §5 pipelining); on CPU it reads the tier (disk → RAM) into the
+layer tensors. On CUDA every layer goes through host staging (:mod:`ragblend.fusion.staging`):
+one host buffer per layer, one copy per tensor to the device on a side stream, and an event per
+layer that the consumer's stream waits on (no global synchronize); ``staging=True`` runs that
+same path on a CPU. The reader thread runs in the consumer's inference mode (tensors made
+under ``torch.inference_mode`` can only be written in it). A reader exception (e.g. a corrupt
+disk entry) is re-raised in the consumer at the layer where it happened.
 
 Entries of a tier that can batch (``BatchableEntry``: the Redis tier) are fetched together:
 before copying layer ``i`` the loader asks each such tier once for layer ``i`` of all its
@@ -27,7 +29,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ragblend.store.base import BatchableEntry, ChunkKV, KVEntry, LayerBatcher
+from ragblend.fusion.staging import Stager, copies_for
+from ragblend.store.base import BatchableEntry, KVEntry, LayerBatcher
 from ragblend.threads import copy_only_thread
 
 
@@ -36,6 +39,7 @@ class LayerLoader:
 
     After iteration, ``wait_s`` is how long the consumer waited for layers (the loading delay
     the pipeline did not hide) and ``max_ahead`` the most layers loaded but not yet consumed.
+    ``staging``: load through host staging even on a CPU (CUDA always stages; see above).
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class LayerLoader:
         device: torch.device | str,
         dtype: torch.dtype,
         prefetch: int = 0,
+        staging: bool = False,
     ) -> None:
         self.caches = list(caches)
         self.lengths = list(lengths)
@@ -56,12 +61,14 @@ class LayerLoader:
         self.device = torch.device(device)
         self.dtype = dtype
         self.prefetch = max(0, int(prefetch))
+        self.staging = staging or self.device.type == "cuda"
         self.wait_s = 0.0
         self.max_ahead = 0
         self._produced = 0
         self._consumed = 0
         self._count_lock = threading.Lock()
         self.batches = batch_groups(self.caches)
+        self._zeros: dict[torch.device, torch.Tensor] = {}
 
     @property
     def total(self) -> int:
@@ -73,17 +80,37 @@ class LayerLoader:
         heads, dim = self.shape
         k = torch.empty(1, heads, self.total, dim, device=self.device, dtype=self.dtype)
         v = torch.empty_like(k)
-        start = 0
-        for cache, n in zip(self.caches, self.lengths, strict=True):
-            if cache is None:
-                k[0, :, start : start + n].zero_()
-                v[0, :, start : start + n].zero_()
-            else:
-                ck, cv = cache.layer(layer)
-                k[0, :, start : start + n].copy_(ck, non_blocking=True)
-                v[0, :, start : start + n].copy_(cv, non_blocking=True)
-            start += n
+        self.gather(layer, k, v)
         return k, v
+
+    def gather(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every segment's K and V of ``layer`` (zeros where a segment has no cache) into ``k``
+        and ``v`` [1, Hkv, N, d]: one ``cat`` per tensor where every part is on their device
+        (one kernel on a GPU, not one copy per segment), else a copy per segment."""
+        parts = [
+            self._zero_rows(n, k.device) if cache is None else cache.layer(layer)
+            for cache, n in zip(self.caches, self.lengths, strict=True)
+        ]
+        if all(pk.device == k.device and pk.dtype == k.dtype for pk, _ in parts):
+            torch.cat([pk for pk, _ in parts], dim=1, out=k[0])
+            torch.cat([pv for _, pv in parts], dim=1, out=v[0])
+            return
+        start = 0
+        for (pk, pv), n in zip(parts, self.lengths, strict=True):
+            k[0, :, start : start + n].copy_(pk, non_blocking=True)
+            v[0, :, start : start + n].copy_(pv, non_blocking=True)
+            start += n
+
+    def _zero_rows(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeros [Hkv, n, d] on ``device``, views of one tensor made once per loader."""
+        zeros = self._zeros.get(device)
+        if zeros is None:
+            heads, dim = self.shape
+            gap = max(n for c, n in zip(self.caches, self.lengths, strict=True) if c is None)
+            zeros = self._zeros[device] = torch.zeros(
+                heads, gap, dim, device=device, dtype=self.dtype
+            )
+        return zeros[:, :n], zeros[:, :n]
 
     def fetch_batched(self, layer: int) -> None:
         """Fetch ``layer`` of every batchable entry: one call (round trip) per tier."""
@@ -91,40 +118,47 @@ class LayerLoader:
             batcher.fetch_layers(entries, layer)
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        stager = Stager(self, copies_for(self.device)) if self.staging else None
         if self.prefetch <= 0 or self.num_layers == 0:
             for layer in range(self.num_layers):
                 t0 = time.perf_counter()
-                k, v = self.load(layer)
+                if stager is None:
+                    k, v = self.load(layer)
+                else:
+                    k, v, ready = stager.load(layer)
+                    stager.consume(k, v, ready)
                 self.wait_s += time.perf_counter() - t0
                 yield layer, k, v
             return
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            yield from self._prefetched(_CudaStager(self))
-        else:
-            yield from self._prefetched(None)
+        yield from self._prefetched(stager)
 
     # ------------------------------------------------------------------ reader thread
     def _prefetched(
-        self, stager: _CudaStager | None
+        self, stager: Stager | None
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         slots: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
+        inference = torch.is_inference_mode_enabled()  # the consumer's, for the reader too
 
         def reader() -> None:
             try:
                 copy_only_thread()  # no OpenMP team of its own (see ragblend.threads)
                 if stager is not None:
                     stager.enter_thread()
-                for layer in range(self.num_layers):
-                    if stop.is_set():
-                        return
-                    item = stager.load(layer) if stager is not None else (*self.load(layer), None)
-                    with self._count_lock:
-                        self._produced += 1
-                        self.max_ahead = max(self.max_ahead, self._produced - self._consumed)
-                    slots.put((layer, *item))
+                with torch.inference_mode(inference):
+                    read_layers()
             except BaseException as exc:  # propagated to the consumer
                 slots.put(exc)
+
+        def read_layers() -> None:
+            for layer in range(self.num_layers):
+                if stop.is_set():
+                    return
+                item = stager.load(layer) if stager is not None else (*self.load(layer), None)
+                with self._count_lock:
+                    self._produced += 1
+                    self.max_ahead = max(self.max_ahead, self._produced - self._consumed)
+                slots.put((layer, *item))
 
         thread = threading.Thread(target=reader, name="ragblend-layer-loader", daemon=True)
         thread.start()
@@ -135,8 +169,7 @@ class LayerLoader:
                 if isinstance(item, BaseException):
                     raise item
                 layer, k, v, ready = item
-                if ready is not None:  # only the CUDA stager hands out events
-                    assert stager is not None
+                if stager is not None:
                     stager.consume(k, v, ready)
                 self.wait_s += time.perf_counter() - t0
                 with self._count_lock:
@@ -151,92 +184,6 @@ class LayerLoader:
                     thread.join(timeout=0.01)
 
 
-class _CudaStager:
-    """CUDA path of the reader: host segments → pinned buffer → device on a side stream.
-
-    Each layer gets its own device tensors, allocated on the side stream, and an event recorded
-    after its copies; the consumer's stream waits on that event and the tensors are marked as
-    used by it (``record_stream``), so the caching allocator never recycles them early. Pinned
-    buffers are reused round-robin; before refilling one, the reader waits for the event of the
-    copy that last read it (only that copy, never the whole device).
-    """
-
-    def __init__(self, loader: LayerLoader) -> None:
-        self.loader = loader
-        index = loader.device.index
-        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-        self.consumer_stream = torch.cuda.current_stream(self.device)
-        self.side = torch.cuda.Stream(device=self.device)
-        # Cached segments produced on the consumer's stream must be complete before we read them.
-        self.side.wait_stream(self.consumer_stream)
-        heads, dim = loader.shape
-        self.host_segments = any(c is not None and not _on_cuda(c) for c in loader.caches)
-        self.ring: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
-        if self.host_segments:
-            for _ in range(loader.prefetch + 1):
-                shape = (1, heads, loader.total, dim)
-                hk = torch.empty(shape, dtype=loader.dtype, pin_memory=True)
-                hv = torch.empty(shape, dtype=loader.dtype, pin_memory=True)
-                self.ring.append((hk, hv, None))
-
-    def enter_thread(self) -> None:
-        torch.cuda.set_device(self.device)
-
-    def load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        lo = self.loader
-        lo.fetch_batched(layer)
-        heads, dim = lo.shape
-        with torch.cuda.stream(self.side):
-            k = torch.empty(1, heads, lo.total, dim, device=self.device, dtype=lo.dtype)
-            v = torch.empty_like(k)
-            device_parts = []
-            if self.host_segments:
-                slot = layer % len(self.ring)
-                hk, hv, done = self.ring[slot]
-                if done is not None:
-                    done.synchronize()  # the previous copy out of this pinned buffer finished
-                start = 0
-                for cache, n in zip(lo.caches, lo.lengths, strict=True):
-                    if cache is None:
-                        hk[0, :, start : start + n].zero_()
-                        hv[0, :, start : start + n].zero_()
-                    else:
-                        ck, cv = cache.layer(layer)  # disk → RAM happens here, on this thread
-                        if ck.is_cuda:
-                            device_parts.append((start, n, ck, cv))
-                        else:
-                            hk[0, :, start : start + n].copy_(ck)
-                            hv[0, :, start : start + n].copy_(cv)
-                    start += n
-                k.copy_(hk, non_blocking=True)
-                v.copy_(hv, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.side)
-                self.ring[slot] = (hk, hv, done)
-            else:
-                start = 0
-                for cache, n in zip(lo.caches, lo.lengths, strict=True):
-                    if cache is None:
-                        k[0, :, start : start + n].zero_()
-                        v[0, :, start : start + n].zero_()
-                    else:
-                        ck, cv = cache.layer(layer)
-                        device_parts.append((start, n, ck, cv))
-                    start += n
-            for start, n, ck, cv in device_parts:  # device-resident caches: copy on the device
-                k[0, :, start : start + n].copy_(ck, non_blocking=True)
-                v[0, :, start : start + n].copy_(cv, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.side)
-        return k, v, ready
-
-    def consume(self, k: torch.Tensor, v: torch.Tensor, ready: torch.cuda.Event) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(ready)
-        k.record_stream(stream)
-        v.record_stream(stream)
-
-
 def batch_groups(caches: Sequence[KVEntry | None]) -> list[tuple[LayerBatcher, list[KVEntry]]]:
     """The batchable entries among ``caches``, grouped by the tier that fetches them."""
     groups: dict[int, tuple[LayerBatcher, list[KVEntry]]] = {}
@@ -247,9 +194,3 @@ def batch_groups(caches: Sequence[KVEntry | None]) -> list[tuple[LayerBatcher, l
                 batcher, entry = found
                 groups.setdefault(id(batcher), (batcher, []))[1].append(entry)
     return list(groups.values())
-
-
-def _on_cuda(cache) -> bool:
-    """Whether a cache entry's tensors already live on a CUDA device (RAM-tier entries may)."""
-    k = getattr(cache, "k", None) if isinstance(cache, ChunkKV) else None
-    return bool(k is not None and k.is_cuda)

@@ -132,12 +132,17 @@ def pack_decode_linears(model: nn.Module) -> int:
     QuantLinear`) need no packing, but their q/k/v and gate/up are fused the same way, on the
     quantized kernels' ``matmul_cat`` (no copy; counted in the return value).
 
+    A model on a GPU returns 0 at once: nothing here is for it, and no CPU kernel is
+    compiled or checked for it.
+
     Fused linears get no path of their own (oneDNN: that would be a third copy of their
     weights): their decode-step path is :func:`qkv_projections` and the MLP's ``forward``, which
     the layer-wise decoder uses; HF's own forward (decoding over a sliding-window cache) runs
     q/k/v unpacked.
     """
     if getattr(model, _ATTR, False) or getattr(model, _TRIED, False):
+        return 0
+    if _off_cpu(model):  # every path here is a CPU kernel: none is compiled or checked
         return 0
     setattr(model, _TRIED, True)
     fused_blocks = len(_fuse_groups(model, _fused_blocks))
@@ -271,6 +276,12 @@ def qkv_projections(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...
         return fused.call(x)
     mods: Any = attn
     return mods.q_proj(x), mods.k_proj(x), mods.v_proj(x)
+
+
+def _off_cpu(model: nn.Module) -> bool:
+    """Whether ``model``'s weights live on another device than the CPU (a GPU)."""
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type != "cpu"
 
 
 def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
