@@ -81,10 +81,13 @@ class BlendConfig:
     row_attention: how blend's selected rows attend: ``"auto"`` (ragblend's native kernels
         where they run — fp32 on CPUs with AVX2 + FMA, bf16 on CPUs with AVX512-BF16 or AMX,
         compiled on first use — else SDPA in masked blocks; a capable CPU that cannot build
-        them logs a warning), ``"native"`` (an error where they cannot run) or ``"sdpa"``. Same
-        attention either way, to rounding; the native path also runs RoPE and Llama-family
-        RMSNorms in one pass each (HF's values bit for bit), and decode steps' attention for
-        all running requests in one call (over fp32 or bf16 K/V). See
+        them logs a warning; on a GPU ``"masked"``), ``"native"`` (an error where they cannot
+        run), ``"sdpa"`` (position-ordered blocks, their bounds read on the host) or
+        ``"masked"`` (one SDPA call per layer over every key, its mask built on the device from
+        the rows' positions: no host sync). Same attention every way, to rounding; the native
+        path also runs RoPE and Llama-family RMSNorms in one pass each (HF's values bit for
+        bit), and decode steps' attention for all running requests in one call (over fp32 or
+        bf16 K/V). See
         ``ragblend.fusion.native``.
     """
 

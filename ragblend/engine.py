@@ -178,8 +178,13 @@ class BlendEngine:
 
     @property
     def row_attention(self) -> str:
-        """The selected-row attention blend runs: ``"native"`` or ``"sdpa"``."""
-        return "sdpa" if self.native is None else "native"
+        """The selected-row attention blend runs: ``"native"``, ``"masked"`` (one SDPA call
+        per layer, masks built on the device: a GPU's default) or ``"sdpa"`` (blocks)."""
+        if self.native is not None:
+            return "native"
+        choice = self.config.row_attention
+        on_gpu = self.layers.device.type != "cpu"
+        return "masked" if choice == "masked" or (choice == "auto" and on_gpu) else "sdpa"
 
     # ------------------------------------------------------------------ prompts and keys
     @property
@@ -409,6 +414,7 @@ class BlendEngine:
             schedule,
             self.selector,
             native=self.native,
+            device_masks=self.row_attention == "masked",
         )
         stats.recomputed_fraction = fusion.recomputed_fraction
         cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)

@@ -4,13 +4,18 @@ header touches)."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "fusion" / "csrc"
 # the instruction sets every AVX512 build of ragblend's kernels targets (F/BW/VL/DQ)
@@ -38,17 +43,52 @@ def ensure_ninja() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def load_ops(name: str, sources: Sequence[str], flags: Sequence[str]) -> Any:
+def build_directory(name: str) -> Path:
+    """The folder torch builds the extension ``name`` in (under ``TORCH_EXTENSIONS_DIR`` when
+    set), created if missing: computed by torch's own rule so that :func:`load_ops` can hand
+    it to ``load`` and keep its lock file beside torch's ``lock`` baton."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+@contextmanager
+def build_lock(name: str, directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<directory>/ragblend.flock`` while compiling or loading
+    ``name``. torch's own lock is a ``lock`` file that its creator removes when done, so a
+    build killed mid-way leaves it behind and every later ``load`` polls it forever; the kernel
+    releases a flock when its holder dies, so this one never goes stale. While we hold it no
+    other ragblend process is building here, so a ``lock`` file found now is a dead build's:
+    remove it (one warning) and let ninja redo what that build left unfinished."""
+    with open(directory / "ragblend.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released on close, or when this process dies
+        baton = directory / "lock"
+        if baton.exists():
+            baton.unlink()
+            logger.warning(
+                "removed a stale build lock left by an interrupted compile of %s (%s); rebuilding",
+                name,
+                baton,
+            )
+        yield
+
+
+def load_ops(name: str, sources: Sequence[str], flags: Sequence[str], *, csrc: Path = CSRC) -> Any:
     """Compile (or load the cached build of) the extension ``name`` from ``sources`` (file
-    names in :data:`CSRC`) with ``flags``; its op namespace, ``torch.ops.<name>``. Raises
-    whatever the compiler or loader raises."""
+    names in ``csrc``, by default :data:`CSRC`) with ``flags``; its op namespace,
+    ``torch.ops.<name>``. Processes loading the same extension take turns (:func:`build_lock`),
+    and a build an earlier process was killed in is redone rather than waited on forever.
+    Raises whatever the compiler or loader raises."""
     from torch.utils.cpp_extension import load
 
     ensure_ninja()
-    load(
-        name=name,
-        sources=[str(CSRC / source) for source in sources],
-        extra_cflags=list(flags),
-        is_python_module=False,
-    )
+    directory = build_directory(name)
+    with build_lock(name, directory):
+        load(
+            name=name,
+            sources=[str(csrc / source) for source in sources],
+            extra_cflags=list(flags),
+            build_directory=str(directory),
+            is_python_module=False,
+        )
     return getattr(torch.ops, name)

@@ -215,3 +215,74 @@ def test_a_maskless_causal_plan_refuses_keys_of_another_length():
     k = v = torch.randn(1, 2, 320, 8)
     with pytest.raises(RagblendError, match="300 keys, got 320"):
         attend_rows(q, k, v, plan, 0.3)
+
+
+def test_one_device_masked_call_matches_the_per_row_reference_and_the_blocks():
+    # What a GPU runs after a selection: every row in one SDPA call with a mask built from the
+    # positions on the device, never read on the host.
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim = 700, 4, 2, 8
+    positions = torch.tensor(sorted(torch.randperm(n)[:300].tolist()))
+    q = torch.randn(1, heads, positions.numel(), dim)
+    k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    for window in (None, 50):
+        one = RowAttentionPlan(positions, 2, q.dtype, window, n, device_masks=True)
+        blocks = RowAttentionPlan(positions, 2, q.dtype, window, n)
+        assert len(one.blocks) == 1 and len(blocks.blocks) > 1
+        got = attend_rows(q, k, v, one, 0.3)
+        want = _reference_rows(q, k, v, positions, 0.3, window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, attend_rows(q, k, v, blocks, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_host_positions_keep_the_causal_path_with_device_masks():
+    # Before any selection the host knows the rows: a contiguous tail still takes SDPA's
+    # causal kernel (the one HF's full prefill runs), so ratio 1.0 stays exact.
+    positions = torch.arange(40, 100)
+    plan = RowAttentionPlan(
+        positions, 2, torch.float32, None, 100, host_positions=range(40, 100), device_masks=True
+    )
+    assert plan.causal_only and not plan.blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral-window", "gemma3"])
+def test_blend_with_device_masks_equals_blend_with_blocks(family, tokenizer):
+    name, _, windowed = family.partition("-")
+    model = tiny_model(name, **({"sliding_window": 24} if windowed else {}))
+    got = {}
+    for attention in ("sdpa", "masked"):
+        engine = engine_for(model, tokenizer, ratio=0.3, row_attention=attention)
+        assert engine.row_attention == attention
+        engine.precompute(CHUNKS)
+        got[attention] = engine.prefill(engine.tokenize(QUESTION, CHUNKS), mode="blend")
+    blocks, masked = got["sdpa"], got["masked"]
+    assert torch.equal(blocks.fusion.selected, masked.fusion.selected)
+    torch.testing.assert_close(masked.logits, blocks.logits, atol=1e-5, rtol=0)
+    for layer in range(model.config.num_hidden_layers):
+        k, v = masked.cache.layers[layer].keys, masked.cache.layers[layer].values
+        torch.testing.assert_close(k, blocks.cache.layers[layer].keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, blocks.cache.layers[layer].values, atol=1e-5, rtol=0)
+
+
+def test_a_check_layer_keeps_every_forced_row_and_its_budget_in_position_order():
+    from ragblend.fusion.fusor import select_rows
+    from ragblend.fusion.selectors import CheckLayer
+
+    torch.manual_seed(0)
+    active = torch.tensor(sorted(torch.randperm(200)[:90].tolist()))
+    is_forced = torch.zeros(90, dtype=torch.bool)
+    is_forced[[0, 7, 40, 89]] = True
+    candidates = (~is_forced).nonzero().squeeze(1)
+    check = CheckLayer(1, None, None, None, None, active, 150, 1.0, candidates)  # type: ignore[arg-type]
+    scores = torch.randn(candidates.numel())
+
+    class Fixed:
+        name = "fixed"
+
+        def scores(self, check):
+            return scores
+
+    keep, _ = select_rows(Fixed(), check, is_forced, 0.25, 80)
+    chosen = candidates[torch.topk(scores, 20).indices]
+    want = torch.cat([is_forced.nonzero().squeeze(1), chosen]).sort().values
+    assert torch.equal(keep, want)

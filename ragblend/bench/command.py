@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
         "--row-attention",
         choices=ROW_ATTENTION,
         default=None,
-        help="blend's selected-row attention: auto (default) / native / sdpa",
+        help="blend's selected-row attention: auto (default) / native / sdpa / masked",
     )
     p.add_argument(
         "--kv-dtype",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,11 @@ class RowAttentionPlan:
     off it takes rows that end the prompt too (4.5x SDPA's causal kernel in bf16 on a CPU
     without AMX, 1.1x in fp32), which ``exact_causal`` keeps on SDPA's causal kernel: the
     one HF's full prefill runs, so that a recompute of every row equals it.
+
+    The rows' positions are read on the host (``host_positions`` where the caller has them;
+    else from ``positions``: a device sync on a GPU), except with ``device_masks`` and no host
+    positions: then every row goes in one block over all keys with a mask built on the device
+    (one SDPA call per layer; what a GPU runs after a selection).
     """
 
     def __init__(
@@ -64,11 +71,18 @@ class RowAttentionPlan:
         num_keys: int | None = None,
         kernel: RowKernel | None = None,
         exact_causal: bool = True,
+        host_positions: Sequence[int] | None = None,
+        device_masks: bool = False,
     ) -> None:
-        pos = positions.tolist()
-        self.num_rows = len(pos)
         if sliding_window is not None and num_keys is not None and sliding_window >= num_keys:
             sliding_window = None  # a window as long as the prompt masks nothing
+        self.num_keys = num_keys
+        self.positions = positions.contiguous()
+        if host_positions is None and device_masks:
+            self._one_block(positions, groups, dtype, sliding_window, kernel)
+            return
+        pos = list(host_positions) if host_positions is not None else positions.tolist()
+        self.num_rows = len(pos)
         # Rows P, P+1, …, P+m-1 with no window: when they end the prompt, SDPA's causal
         # kernel (queries padded with P dummy rows) is faster than masked blocks.
         contiguous = bool(pos) and pos[-1] - pos[0] + 1 == len(pos)
@@ -76,10 +90,8 @@ class RowAttentionPlan:
             contiguous = False  # the kernel is faster: rows ending the prompt go to it too
         self.causal_start = pos[0] if contiguous and sliding_window is None else None
         self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
-        self.num_keys = num_keys
         self.causal_only = self.causal_start is not None and num_keys == pos[-1] + 1
         self.kernel = kernel if sliding_window is None and not self.causal_only else None
-        self.positions = positions.contiguous()
         if self.causal_only or self.kernel is not None:
             return  # attend_rows takes the causal path or the kernel: no masks needed
         for a, b in row_blocks(pos):
@@ -92,6 +104,30 @@ class RowAttentionPlan:
                 bias.unsqueeze(0).expand(groups, b - a, end - start).reshape(groups * (b - a), -1)
             )
             self.blocks.append((a, b, start, end, bias))
+
+    def _one_block(
+        self,
+        positions: torch.Tensor,
+        groups: int,
+        dtype: torch.dtype,
+        sliding_window: int | None,
+        kernel: RowKernel | None,
+    ) -> None:
+        """Every row in one block over all keys, its mask built on the device from the rows'
+        positions (never read on the host): one SDPA call per layer, no host sync."""
+        if self.num_keys is None:
+            raise RagblendError("a plan with device masks needs the number of keys")
+        m = self.num_rows = int(positions.numel())
+        self.causal_start, self.causal_only = None, False
+        self.kernel = kernel if sliding_window is None else None
+        self.blocks = []
+        if self.kernel is not None:
+            return
+        allowed = position_mask(positions, self.num_keys, sliding_window)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        bias = bias.unsqueeze(0).expand(groups, m, self.num_keys).reshape(groups * m, -1)
+        self.blocks.append((0, m, 0, self.num_keys, bias))
 
 
 def attend_rows(

@@ -67,6 +67,7 @@ def fuse(
     selector: TokenSelector | None = None,
     trace: FusionTrace | None = None,
     native: NativeKernels | None = None,
+    device_masks: bool = False,
 ) -> FusionResult:
     """Run the prompt through every layer, recomputing only the selected rows.
 
@@ -75,14 +76,22 @@ def fuse(
     filtering) and needs a ``selector``; ``None`` recomputes every non-exact row on every layer
     (ratio 1.0), ``[]`` recomputes only rows without a cache (full KV reuse).
     ``native``: ragblend's CPU kernels for selected-row attention, RoPE and RMSNorm
-    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA blocks and HF's modules.
+    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA and HF's modules. ``device_masks``:
+    selected rows attend in one SDPA call per layer with a mask built on the device, not in
+    position-ordered blocks that read the rows' positions on the host (what a GPU runs).
+
+    No step of the layer loop reads the device back: every selection's size follows from the
+    row counts the host knows (forced rows are always kept, a check layer keeps its budget).
     """
     if schedule and selector is None:
         raise RagblendError("a schedule with check layers needs a token selector")
     device = model.device
     rows = prompt_rows(segments, device)
     checks = dict(schedule or [])
-    active = rows.forced.nonzero().squeeze(1) if schedule == [] else rows.candidates
+    active = rows.forced_rows if schedule == [] else rows.candidates
+    # the active rows' positions on the host, until a selection makes them device data
+    active_list: list[int] | None = rows.forced_list if schedule == [] else rows.candidate_list
+    forced = len(rows.forced_list)  # forced rows are active on every layer
 
     hidden = model.embed(rows.ids[active])
     ropes = RopeTables(model, torch.arange(rows.n, device=device), hidden[:, :0])
@@ -112,7 +121,16 @@ def fuse(
         if layer in checks or layer <= watched:
             k_full = model.rotate(k_cached, cos_all, sin_all)
             check = CheckLayer.build(
-                layer, proj, k_cached, v_cached, k_full, active, rows, model.scaling(layer), memory
+                layer,
+                proj,
+                k_cached,
+                v_cached,
+                k_full,
+                active,
+                rows,
+                model.scaling(layer),
+                memory,
+                free=int(active.numel()) - forced,
             )
             observe(selector, check)
         else:  # the loader's tensors are this request's own: rotate them in place
@@ -129,6 +147,7 @@ def fuse(
         if keep is not None and keep.numel() < active.numel():
             # only the kept rows go on through attention, o_proj and MLP
             q, hidden, active = q[:, :, keep], hidden[:, keep], active[keep]
+            active_list = None
             plans.clear()
         if keep is not None and trace is not None:
             trace.selected(layer, scores, active)
@@ -137,12 +156,22 @@ def fuse(
         plan = plans.get(window)
         if plan is None:
             plan = plans[window] = RowAttentionPlan(
-                active, groups, q.dtype, window, rows.n, row_kernel, exact_causal=schedule is None
+                active,
+                groups,
+                q.dtype,
+                window,
+                rows.n,
+                row_kernel,
+                exact_causal=schedule is None,
+                host_positions=active_list,
+                device_masks=device_masks,
             )
         if temper is None:
             attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))
         else:
-            attn = temper.attend(q, k_full, v_cached, plan, model.scaling(layer), computed)
+            # computed rows: every uncached row (forced), the rest approximate ones
+            stale = rows.num_approx - (int(computed.numel()) - rows.num_uncached)
+            attn = temper.attend(q, k_full, v_cached, plan, model.scaling(layer), computed, stale)
         # finish
         hidden = model.finish(layer, hidden, attn, norm)
         keys.append(k_full)
@@ -209,8 +238,11 @@ def select_rows(
         s = selector.scores(check)
         scores[free] = s.float()
         chosen = free[choose_rows(selector, check, s, budget)]
-    keep = torch.cat([is_forced.nonzero().squeeze(1), chosen]).sort().values
-    return keep, scores
+    # the kept rows as a mask, read back in order: their count is known without the device
+    kept = is_forced.clone()
+    kept[chosen] = True
+    forced = check.active.numel() - free.numel()
+    return kept.nonzero_static(size=forced + chosen.numel()).squeeze(1), scores
 
 
 __all__ = ["FusionResult", "PromptRows", "Segment", "fuse", "select_rows"]

@@ -42,7 +42,7 @@ from ragblend.fusion.decode_kernels import DECODE_512, DecodeKernel, decode_kern
 
 log = logging.getLogger(__name__)
 
-RowAttention = Literal["auto", "native", "sdpa"]
+RowAttention = Literal["auto", "native", "sdpa", "masked"]
 ROW_ATTENTION: tuple[str, ...] = get_args(RowAttention)
 
 
@@ -247,8 +247,8 @@ def native_kernels(
 ) -> NativeKernels | None:
     """The native kernels for a model with this dtype, device and head dim, or ``None`` for
     SDPA blocks and HF's RoPE and RMSNorm. ``choice`` is ``"auto"``, ``"native"``
-    (RagblendError when they cannot run) or ``"sdpa"``."""
-    if check_row_attention(choice) == "sdpa":
+    (RagblendError when they cannot run), ``"sdpa"`` or ``"masked"`` (both: no kernels)."""
+    if check_row_attention(choice) in ("sdpa", "masked"):
         return None
     build = BUILDS.get(dtype) if device.type == "cpu" else None
     if build is None or head_dim % build.head_multiple:

@@ -96,13 +96,22 @@ class CachedKeyTemperature:
         self._computed: torch.Tensor | None = None
         self._unscaled: torch.Tensor | None = None
 
-    def unscaled_rows(self, computed: torch.Tensor) -> torch.Tensor | None:
+    def unscaled_rows(
+        self, computed: torch.Tensor, stale: int | None = None
+    ) -> torch.Tensor | None:
         """Rows whose logits keep scale 1 when ``computed`` rows were recomputed on the layer,
-        or ``None`` when no row is still served from the cache (nothing to temper)."""
+        or ``None`` when no row is still served from the cache (nothing to temper).
+        ``stale``: how many rows are (approximate and not computed), when the caller knows:
+        then nothing is read back from the device (no host sync on a GPU)."""
         if self._computed is not computed:  # the active rows change only at check layers
-            stale = self.approximate.clone()
-            stale[computed] = False
-            self._unscaled = (~stale).nonzero().squeeze(1) if bool(stale.any()) else None
+            rows = self.approximate.clone()
+            rows[computed] = False
+            if stale is None:
+                self._unscaled = (~rows).nonzero().squeeze(1) if bool(rows.any()) else None
+            elif stale > 0:
+                self._unscaled = (~rows).nonzero_static(size=rows.numel() - stale).squeeze(1)
+            else:
+                self._unscaled = None
             self._computed = computed
         return self._unscaled
 
@@ -114,10 +123,12 @@ class CachedKeyTemperature:
         plan: RowAttentionPlan,
         scaling: float,
         computed: torch.Tensor,
+        stale: int | None = None,
     ) -> torch.Tensor:
         """:func:`attend_rows` with stale rows' logits divided by T; ``keys`` [1, Hkv, N, d]
-        is modified during the call and holds its own values again when it returns."""
-        rows = self.unscaled_rows(computed)
+        is modified during the call and holds its own values again when it returns.
+        ``stale``: see :meth:`unscaled_rows`."""
+        rows = self.unscaled_rows(computed, stale)
         if rows is None:
             return attend_rows(q, keys, values, plan, scaling)
         original = keys.index_select(2, rows)

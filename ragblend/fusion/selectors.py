@@ -51,9 +51,15 @@ class CheckLayer:
         rows: PromptRows,
         scaling: float,
         memory: dict | None = None,
+        free: int | None = None,
     ) -> CheckLayer:
-        """The check layer for rows ``active`` of a prompt with ``rows``."""
-        candidates = (~rows.forced[active]).nonzero().squeeze(1)
+        """The check layer for rows ``active`` of a prompt with ``rows``; ``free``: how many
+        of them are not forced, when the caller knows (then no host sync on a GPU)."""
+        not_forced = ~rows.forced[active]
+        if free is None:
+            candidates = not_forced.nonzero().squeeze(1)
+        else:
+            candidates = not_forced.nonzero_static(size=free).squeeze(1)
         return cls(
             layer,
             proj,
