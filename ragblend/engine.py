@@ -414,7 +414,7 @@ class BlendEngine:
             schedule,
             self.selector,
             native=self.native,
-            device_masks=self.row_attention == "masked",
+            gpu_path=self.row_attention == "masked",
         )
         stats.recomputed_fraction = fusion.recomputed_fraction
         cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)

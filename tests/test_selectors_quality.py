@@ -12,7 +12,12 @@ from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.fusor import fuse
 from ragblend.fusion.rows import prompt_rows
-from ragblend.fusion.selection import SelectionPolicy, cached_key_temper, last_observed_layer
+from ragblend.fusion.selection import (
+    CachedKeyTemperature,
+    SelectionPolicy,
+    cached_key_temper,
+    last_observed_layer,
+)
 from ragblend.fusion.selectors import QuestionRelevanceSelector, RandomSelector
 from ragblend.fusion.trace import SelectionTrace
 
@@ -281,3 +286,28 @@ class _OnlyScores:
 
     def scores(self, check):
         return self.inner.scores(check)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_temper_in_one_pass_equals_the_in_place_temper_bit_for_bit(dtype, tokenizer):
+    engine = engine_for(tiny_model("llama"), tokenizer)
+    engine.precompute(CHUNKS)
+    segments, _ = engine.chunks.lookup(engine.tokenize(QUESTION, CHUNKS))
+    rows = prompt_rows(segments, "cpu")
+    approximate = rows.cached & ~rows.exact
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, rows.n, 16).to(dtype)
+    values = torch.randn(1, 2, rows.n, 16).to(dtype)
+    for computed in (rows.candidates[::3], rows.candidates):
+        q = torch.randn(1, 4, computed.numel(), 16).to(dtype)
+        plan = RowAttentionPlan(computed, 2, q.dtype, None)
+        stale = int((approximate & ~torch.isin(torch.arange(rows.n), computed)).sum())
+        in_place = CachedKeyTemperature(1.06, approximate)
+        one_pass = CachedKeyTemperature(1.06, approximate, one_pass=True)
+        want = in_place.attend(q, keys, values, plan, 0.25, computed)
+        before = keys.clone()
+        for counted in (None, stale):  # counted on the device, or given by the host
+            fresh = CachedKeyTemperature(1.06, approximate, one_pass=True)
+            assert torch.equal(fresh.attend(q, keys, values, plan, 0.25, computed, counted), want)
+        assert torch.equal(one_pass.attend(q, keys, values, plan, 0.25, computed), want)
+        assert torch.equal(keys, before)  # the model's keys untouched

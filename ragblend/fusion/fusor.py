@@ -67,7 +67,7 @@ def fuse(
     selector: TokenSelector | None = None,
     trace: FusionTrace | None = None,
     native: NativeKernels | None = None,
-    device_masks: bool = False,
+    gpu_path: bool = False,
 ) -> FusionResult:
     """Run the prompt through every layer, recomputing only the selected rows.
 
@@ -76,9 +76,11 @@ def fuse(
     filtering) and needs a ``selector``; ``None`` recomputes every non-exact row on every layer
     (ratio 1.0), ``[]`` recomputes only rows without a cache (full KV reuse).
     ``native``: ragblend's CPU kernels for selected-row attention, RoPE and RMSNorm
-    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA and HF's modules. ``device_masks``:
-    selected rows attend in one SDPA call per layer with a mask built on the device, not in
-    position-ordered blocks that read the rows' positions on the host (what a GPU runs).
+    (:mod:`ragblend.fusion.native`), or ``None`` for SDPA and HF's modules. ``gpu_path``: the
+    kernels a GPU runs (launches cost more than bytes there): selected rows attend in one SDPA
+    call per layer with a mask built on the device, not in position-ordered blocks that read
+    the rows' positions on the host, and the cached-key temperature scales one copy of the
+    keys (:class:`CachedKeyTemperature`'s ``one_pass``). Same logic, same values.
 
     No step of the layer loop reads the device back: every selection's size follows from the
     row counts the host knows (forced rows are always kept, a check layer keeps its budget).
@@ -102,7 +104,8 @@ def fuse(
     plans: dict[int | None, RowAttentionPlan] = {}
     watched = last_observed_layer(selector, checks)  # multi-layer selectors see layers <= it
     memory: dict = {}  # their scratch space for this prefill
-    temper = cached_key_temper(selector, rows) if schedule else None  # blend only, not reuse
+    # blend only, not reuse
+    temper = cached_key_temper(selector, rows, one_pass=gpu_path) if schedule else None
     row_kernel = native.attend_rows if native is not None else None
     # RoPE of the projected rows and of the cached keys: HF's unless native
     fresh_rope = model.native_rope(native, ropes.full(0)[0])
@@ -164,7 +167,7 @@ def fuse(
                 row_kernel,
                 exact_causal=schedule is None,
                 host_positions=active_list,
-                device_masks=device_masks,
+                device_masks=gpu_path,
             )
         if temper is None:
             attn = attend_rows(q, k_full, v_cached, plan, model.scaling(layer))

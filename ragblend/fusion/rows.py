@@ -36,7 +36,7 @@ class PromptRows:
     ratio), ``num_uncached`` the rows without a cache.
 
     Everything is built on the host and uploaded at once (one copy per dtype): the counts and
-    the host lists ``candidate_list``/``forced_list`` let the fusor size every selection
+    the host lists ``candidate_list``/``forced_list``/``offset_list`` size every selection
     without reading the device back (no host sync on a GPU).
     """
 
@@ -52,6 +52,7 @@ class PromptRows:
     num_uncached: int
     candidate_list: list[int]
     forced_list: list[int]
+    offset_list: list[int]
 
     @property
     def n(self) -> int:
@@ -92,6 +93,7 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
         num_uncached=n - sum(cached),
         candidate_list=candidates,
         forced_list=forced_list,
+        offset_list=offsets,
     )
 
 

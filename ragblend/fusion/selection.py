@@ -70,13 +70,15 @@ def choose_rows(
 
 
 def cached_key_temper(
-    selector: TokenSelector | None, rows: PromptRows
+    selector: TokenSelector | None, rows: PromptRows, one_pass: bool = False
 ) -> CachedKeyTemperature | None:
     """The attention temperature of ``selector``'s options for this prompt, or ``None`` when
-    no temperature is set (T = 1)."""
+    no temperature is set (T = 1); ``one_pass``: see :class:`CachedKeyTemperature`."""
     if not isinstance(selector, SelectionPolicy) or selector.cached_temperature == 1.0:
         return None
-    return CachedKeyTemperature(selector.cached_temperature, rows.cached & ~rows.exact)
+    return CachedKeyTemperature(
+        selector.cached_temperature, rows.cached & ~rows.exact, one_pass=one_pass
+    )
 
 
 class CachedKeyTemperature:
@@ -84,17 +86,24 @@ class CachedKeyTemperature:
     a non-exact cache that were not recomputed on the layer are divided by T.
 
     Applied through SDPA's scale (every logit × 1/T) while the other rows' keys are multiplied
-    by T for the call and restored bit for bit after it: O(recomputed rows) work per layer
-    instead of a scaled copy of every key. The keys kept for decoding stay the model's. In
-    bf16/fp16 the keys × T round once, so the unscaled rows' logits carry that rounding.
-    ``approximate`` is bool [N]: rows with a non-exact cache.
+    by T. By default they are multiplied in place for the call and restored bit for bit after
+    it: O(recomputed rows) work per layer (four small kernels), the CPU's way. ``one_pass``:
+    one scaled copy of every key instead (one kernel, whose per-row factor is made once per
+    selection: a GPU's way, where launches cost more than bytes); the same values bit for bit.
+    The keys kept for decoding stay the model's. In bf16/fp16 the keys × T round once, so the
+    unscaled rows' logits carry that rounding. ``approximate`` is bool [N]: rows with a
+    non-exact cache.
     """
 
-    def __init__(self, temperature: float, approximate: torch.Tensor) -> None:
+    def __init__(
+        self, temperature: float, approximate: torch.Tensor, one_pass: bool = False
+    ) -> None:
         self.temperature = float(temperature)
         self.approximate = approximate
+        self.one_pass = one_pass
         self._computed: torch.Tensor | None = None
         self._unscaled: torch.Tensor | None = None
+        self._factors: torch.Tensor | None = None
 
     def unscaled_rows(
         self, computed: torch.Tensor, stale: int | None = None
@@ -115,6 +124,20 @@ class CachedKeyTemperature:
             self._computed = computed
         return self._unscaled
 
+    def key_factors(self, computed: torch.Tensor, stale: int | None = None) -> torch.Tensor | None:
+        """fp32 [1, 1, N, 1]: T on rows whose logits keep scale 1, 1 on stale rows (see
+        :meth:`unscaled_rows`; ``None`` when nothing is stale), made once per selection."""
+        if self._computed is not computed:
+            rows = self.approximate.clone()
+            rows[computed] = False
+            if bool(rows.any()) if stale is None else stale > 0:
+                one = torch.ones((), device=rows.device)
+                self._factors = torch.where(rows, one, self.temperature).view(1, 1, -1, 1)
+            else:
+                self._factors = None
+            self._computed = computed
+        return self._factors
+
     def attend(
         self,
         q: torch.Tensor,
@@ -128,6 +151,13 @@ class CachedKeyTemperature:
         """:func:`attend_rows` with stale rows' logits divided by T; ``keys`` [1, Hkv, N, d]
         is modified during the call and holds its own values again when it returns.
         ``stale``: see :meth:`unscaled_rows`."""
+        if self.one_pass:
+            factors = self.key_factors(computed, stale)
+            if factors is None:
+                return attend_rows(q, keys, values, plan, scaling)
+            scaled = torch.empty_like(keys)
+            torch.mul(keys, factors, out=scaled)  # in fp32, rounded once: as ``keys * T``
+            return attend_rows(q, scaled, values, plan, scaling / self.temperature)
         rows = self.unscaled_rows(computed, stale)
         if rows is None:
             return attend_rows(q, keys, values, plan, scaling)
@@ -215,14 +245,32 @@ class SelectionPolicy:
             needed = low
         return max(0, min(scores.numel(), high, max(low, needed)))
 
+    def start_count(self, check: CheckLayer) -> int:
+        """How many of ``check.candidates`` are chunk starts, counted on the host: every
+        chunk start that may be chosen (cached, not exact, not forced) is still active, since
+        each check layer keeps them all."""
+        prompt = check.prompt
+        if not self.chunk_start_tokens or prompt is None:
+            return 0
+        forced = set(prompt.forced_list)
+        offsets = prompt.offset_list
+        return sum(
+            1
+            for i in prompt.candidate_list
+            if offsets[i] < self.chunk_start_tokens and i not in forced
+        )
+
     def choose(self, check: CheckLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """Local indices into ``check.candidates``: the chunk starts, then the best others."""
+        """Local indices into ``check.candidates``: the chunk starts, then the best others
+        (one ``topk`` with the starts ranked first; its size is known on the host)."""
         if self.adaptive_mass is not None:
-            budget = self.adaptive_budget(check, scores)
-        starts = self.chunk_starts(check)
-        rest = scores.float().masked_fill(starts, float("-inf"))
-        others = top_rows(rest, min(budget - int(starts.sum()), int((~starts).sum())))
-        return torch.cat([starts.nonzero().squeeze(1), others])
+            budget = self.adaptive_budget(check, scores)  # reads the scores: a host sync
+        starts = self.start_count(check)
+        if not starts:
+            return top_rows(scores, budget)
+        finite = scores.float().nan_to_num(nan=torch.finfo(torch.float32).max)
+        ranked = finite.masked_fill(self.chunk_starts(check), float("inf"))
+        return top_rows(ranked, max(budget, starts))
 
 
 def make_selector(config: BlendConfig) -> TokenSelector:
