@@ -4,11 +4,22 @@
 
 The ratio is ``max(r*, r_load)`` with ``r_load = T_load / T_prefill(L)`` (the ratio whose
 recompute takes as long as loading, so recompute hides behind the pipelined load) and
-``r* = 0.15`` (the smallest ratio with negligible quality loss). When loading alone would take
-longer than a full prefill, the engine runs a full prefill instead (``fallback_full``).
+``r* = 0.15`` (the smallest ratio with negligible quality loss). The engine runs a full prefill
+instead (``fallback_full``) when loading alone would take longer than a full prefill, or when
+blend at the chosen ratio would not be faster than one on this device:
 
-T_prefill and the tiers' read bandwidths come from a quick profile of the model on its device,
-cached as JSON under ``ragblend_home()/profiles`` per model fingerprint and device.
+    T_blend(r, L) = max(B(L) + max(0, r - r_b) · T_prefill(L), T_load)
+
+with ``B(L)`` the measured time of a blend at ratio ``r_b`` on the device (RAM tier, its
+loading included; a linear fit over two prompt lengths, like ``T_prefill``). Blend's cost
+beyond recomputing ``r`` of the rows (loading, selection, layer bookkeeping, fixed per-call
+costs) differs by device: on a CPU blend at 0.15 takes a tenth of a full prefill, on a GPU
+whose launches dominated it took nine tenths.
+
+T_prefill, ``B`` and the tiers' read bandwidths come from a quick profile of the model on its
+device, cached as JSON under ``ragblend_home()/profiles`` per model fingerprint and device.
+Where blend is measured, T_prefill is fitted at the same prompt lengths (hundreds to about two
+thousand tokens, where RAG prompts are) rather than at the short ones of the base profile.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ PrefillFn = Callable[[Sequence[int]], object]
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 R_STAR = 0.15
 # Cheapest first: the controller prefers the cheapest tier whose loading stays hidden.
 TIER_COST_ORDER = ("disk", "ram")
@@ -52,6 +63,10 @@ class Profile:
     disk_path: str | None = None
     version: int = PROFILE_VERSION
     measured: dict = field(default_factory=dict)
+    # blend at blend_ratio: ms = blend_ms_fixed + blend_ms_per_token · n (None: not measured)
+    blend_ms_fixed: float | None = None
+    blend_ms_per_token: float = 0.0
+    blend_ratio: float = R_STAR
 
     def prefill_ms(self, n_tokens: int) -> float:
         """Estimated full-prefill time of ``n_tokens`` (linear fit of the measurements)."""
@@ -63,6 +78,15 @@ class Profile:
         if not bandwidth:
             return 0.0 if tier == "ram" else float("inf")
         return self.bytes_per_token * n_tokens / bandwidth * 1000.0
+
+    def blend_ms(self, n_tokens: int, ratio: float, tier: str) -> float | None:
+        """Estimated blend prefill time at ``ratio`` from ``tier`` (module docstring), or
+        None when blend was not measured on this device."""
+        if self.blend_ms_fixed is None:
+            return None
+        measured = self.blend_ms_fixed + self.blend_ms_per_token * n_tokens
+        compute = measured + max(0.0, ratio - self.blend_ratio) * self.prefill_ms(n_tokens)
+        return max(compute, self.load_ms(n_tokens, tier))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -77,7 +101,8 @@ class Profile:
 class Decision:
     """The controller's choice for one prompt (``asdict`` goes into ``stats.extra``).
 
-    ``fallback_full``: loading alone would take longer than a full prefill, so the engine
+    ``fallback_full``: loading alone would take longer than a full prefill (``reason``
+    ``"loading"``), or blend would not be faster than one here (``"blend"``), so the engine
     runs a full prefill instead.
     """
 
@@ -92,6 +117,8 @@ class Decision:
     bytes_per_token: int
     bandwidth_bytes_per_s: float | None
     fallback_full: bool
+    t_blend_ms: float | None = None
+    reason: str = ""
 
 
 class LoadingController:
@@ -108,8 +135,16 @@ class LoadingController:
         t_prefill = self.profile.prefill_ms(n_tokens)
         t_load = self.profile.load_ms(n_tokens, tier)
         r_load = t_load / t_prefill
-        fallback = t_load >= t_prefill
-        ratio = 1.0 if fallback else min(1.0, max(self.r_star, r_load))
+        ratio = min(1.0, max(self.r_star, r_load))
+        t_blend = self.profile.blend_ms(n_tokens, ratio, tier)
+        reason = ""
+        if t_load >= t_prefill:
+            reason = "loading"
+        elif t_blend is not None and t_blend >= t_prefill:
+            reason = "blend"
+        fallback = bool(reason)
+        if fallback:
+            ratio = 1.0
         return Decision(
             ratio=ratio,
             r_star=self.r_star,
@@ -122,6 +157,8 @@ class LoadingController:
             bytes_per_token=self.profile.bytes_per_token,
             bandwidth_bytes_per_s=self.profile.bandwidth.get(tier),
             fallback_full=fallback,
+            t_blend_ms=t_blend,
+            reason=reason,
         )
 
     def cheapest_tier(self, n_tokens: int, ratio: float | None = None) -> str:
@@ -143,6 +180,7 @@ class LoadingController:
             int(engine.model.config.vocab_size),
             disk_path,
             refresh=refresh,
+            blend=lambda: measure_blend(engine),
         )
         return cls(profile, tier=tier, r_star=r_star)
 
@@ -175,8 +213,10 @@ def load_or_profile(
     vocab_size: int,
     disk_path: Path | None = None,
     refresh: bool = False,
+    blend: Callable[[], BlendFit] | None = None,
 ) -> Profile:
-    """The cached profile of a model on its device, measured (and saved) if missing."""
+    """The cached profile of a model on its device, measured (and saved) if missing;
+    ``blend()`` measures blend against full (:func:`measure_blend`) where given."""
     device = str(layers.device)
     path = profile_path(fingerprint, device)
     profile = None
@@ -199,9 +239,88 @@ def load_or_profile(
         profile.bandwidth["disk"] = measure_disk_bandwidth(disk_path, layers.device)
         profile.disk_path = str(disk_path)
         changed = True
+    if blend is not None and profile.blend_ms_fixed is None:
+        fit = blend()
+        profile.prefill_ms_fixed, profile.prefill_ms_per_token = fit.full
+        profile.blend_ms_fixed, profile.blend_ms_per_token = fit.blend
+        profile.blend_ratio = fit.ratio
+        profile.measured["blend"] = fit.measured
+        changed = True
     if changed:
         _write_json(path, profile.to_json())
     return profile
+
+
+@dataclass(frozen=True)
+class BlendFit:
+    """Full and blend prefill times on a device as (fixed ms, ms per token) linear fits."""
+
+    full: tuple[float, float]
+    blend: tuple[float, float]
+    ratio: float
+    measured: dict
+
+
+def measure_blend(
+    engine,
+    layouts: Sequence[tuple[int, int]] = ((2, 256), (6, 256)),
+    ratio: float = R_STAR,
+    repeats: int = 2,
+) -> BlendFit:
+    """Full and blend (at ``ratio``) prefill times of random prompts of ``layouts`` (chunks ×
+    tokens, plus a 16-token head and question) on ``engine``'s device, best of ``repeats``
+    each, fitted linearly in the prompt length. The chunks are precomputed into a throwaway
+    RAM store: the user's store is not touched.
+
+    Runs the engine's prefill without taking its lock: the engine makes its controller inside
+    a prefill, holding it; elsewhere call this where nothing else uses the engine."""
+    from ragblend.prompt import TokenizedPrompt
+    from ragblend.store.memory import MemoryStore
+
+    view = engine.with_config(
+        store=MemoryStore(1 << 40), precompute_context="prefix", ratio=ratio, mode="blend"
+    )
+    vocab = int(engine.model.config.vocab_size)
+    generator = torch.Generator().manual_seed(1)
+    top = max(101, vocab - 100)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(100, top, (n,), generator=generator).tolist()
+
+    head, separator, question = ids(16), ids(1), ids(16)
+    chunks = [ids(tokens) for chunks, tokens in layouts for _ in range(chunks)]
+    for chunk in chunks:
+        view.precompute_ids(chunk, head)
+    prompts, start = [], 0
+    for count, _ in layouts:
+        prompts.append(TokenizedPrompt(head, chunks[start : start + count], separator, question))
+        start += count
+    best = {(mode, i): float("inf") for i in range(len(prompts)) for mode in ("full", "blend")}
+    for _ in range(repeats + 1):  # the first round warms up
+        for mode, i in best:
+            _sync(view.layers.device)
+            t0 = time.perf_counter()
+            view._prefill(prompts[i], mode, ratio)
+            _sync(view.layers.device)
+            best[mode, i] = min(best[mode, i], (time.perf_counter() - t0) * 1000)
+    lengths = [len(p) for p in prompts]
+    return BlendFit(
+        full=_fit(lengths, [best["full", i] for i in range(len(prompts))]),
+        blend=_fit(lengths, [best["blend", i] for i in range(len(prompts))]),
+        ratio=ratio,
+        measured={
+            "prompt_tokens": lengths,
+            "full_ms": [best["full", i] for i in range(len(prompts))],
+            "blend_ms": [best["blend", i] for i in range(len(prompts))],
+        },
+    )
+
+
+def _fit(lengths: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """(fixed ms, ms per token) through the first and last (length, time) points."""
+    (n1, n2), (t1, t2) = (lengths[0], lengths[-1]), (times[0], times[-1])
+    per_token = max(1e-6, (t2 - t1) / max(1, n2 - n1))
+    return max(0.0, t1 - per_token * n1), per_token
 
 
 def profile_engine(

@@ -349,7 +349,10 @@ class BlendEngine:
                     stats,
                     CONTROLLER_FULL,
                     f"loading the chunk KV from the {decision.tier} tier would "
-                    "take longer than a full prefill (loading controller)",
+                    "take longer than a full prefill (loading controller)"
+                    if decision.reason == "loading"
+                    else f"blend at ratio {max(decision.r_star, decision.r_load):.2f} would not "
+                    "be faster than a full prefill on this device (loading controller's profile)",
                 )
                 mode = "full"
         if mode == "full":

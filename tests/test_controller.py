@@ -128,3 +128,57 @@ def test_disk_bandwidth_measurement_reads_a_real_file(tmp_path):
     bandwidth = ctl.measure_disk_bandwidth(tmp_path, "cpu", nbytes=4 << 20)
     assert bandwidth > 0
     assert not list(tmp_path.iterdir())  # the probe file is removed
+
+
+def test_blend_that_would_not_beat_full_on_this_device_falls_back_to_full():
+    # A device where blend at 0.15 took 0.9 of a full prefill (launch-bound GPU): at r = 0.15
+    # it still pays; once loading pushes the ratio to 0.3 it would not.
+    slow = profile(disk=2e6)  # loading: r_load 0.5
+    slow.blend_ms_fixed, slow.blend_ms_per_token, slow.blend_ratio = 0.0, 0.9, 0.15
+    fast_ram = LoadingController(slow, tier="ram").decide(1000)
+    assert fast_ram.fallback_full is False and fast_ram.ratio == pytest.approx(0.15)
+    assert fast_ram.t_blend_ms == pytest.approx(900.0)
+    disk = LoadingController(slow, tier="disk").decide(1000)
+    assert disk.fallback_full is True and disk.reason == "blend" and disk.ratio == 1.0
+    assert disk.t_blend_ms == pytest.approx(1000 * (0.9 + 0.5 - 0.15))
+    cpu_like = profile(disk=2e6)
+    cpu_like.blend_ms_fixed, cpu_like.blend_ms_per_token = 0.0, 0.1  # a tenth of full
+    assert LoadingController(cpu_like, tier="disk").decide(1000).fallback_full is False
+    unmeasured = LoadingController(profile(disk=2e6), tier="disk").decide(1000)
+    assert unmeasured.t_blend_ms is None and unmeasured.fallback_full is False
+
+
+def test_blend_judged_slower_runs_full_and_says_why(engine):
+    slow = profile()
+    slow.blend_ms_fixed, slow.blend_ms_per_token = 0.0, 1.2
+    engine.controller = LoadingController(slow, tier="ram")
+    engine.precompute(CHUNKS)
+    got = engine.prefill(engine.tokenize(QUESTION, CHUNKS), mode="blend")
+    assert got.stats.mode == "full" and got.stats.fallback_reason == "controller_full"
+    assert "would not be faster than a full prefill" in got.stats.fallback_message
+
+
+def test_blend_is_measured_on_the_device_without_touching_the_engine_store(engine):
+    engine.precompute(CHUNKS[:1])
+    before = set(engine.store.keys())
+    fit = ctl.measure_blend(engine, layouts=((1, 32), (3, 32)), repeats=1)
+    assert fit.ratio == ctl.R_STAR
+    assert fit.measured["prompt_tokens"] == [16 + 32 + 16, 16 + 3 * 32 + 2 + 16]
+    assert all(t > 0 for t in fit.measured["full_ms"] + fit.measured["blend_ms"])
+    assert fit.full[1] > 0 and fit.blend[1] > 0 and min(fit.full + fit.blend) >= 0
+    assert set(engine.store.keys()) == before
+
+
+def test_the_profile_keeps_the_measured_blend_and_refits_prefill_at_its_lengths(
+    engine, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(ctl, "profile_path", lambda fp, dev: tmp_path / f"{fp[:16]}-{dev}.json")
+    fit = ctl.BlendFit((3.0, 0.5), (1.0, 0.1), 0.15, {"prompt_tokens": [100, 300]})
+    monkeypatch.setattr(ctl, "measure_blend", lambda engine: fit)
+    got = LoadingController.for_engine(engine).profile
+    assert (got.prefill_ms_fixed, got.prefill_ms_per_token) == (3.0, 0.5)
+    assert (got.blend_ms_fixed, got.blend_ms_per_token, got.blend_ratio) == (1.0, 0.1, 0.15)
+    assert got.blend_ms(1000, 0.15, "ram") == pytest.approx(1.0 + 100.0)
+    assert got.blend_ms(1000, 0.35, "ram") == pytest.approx(101.0 + 0.2 * 503.0)
+    saved = Profile.from_json(next(tmp_path.glob("*.json")).read_text())
+    assert saved.blend_ms_per_token == 0.1 and saved.measured["blend"] == fit.measured
