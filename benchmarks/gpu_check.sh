@@ -82,6 +82,11 @@ else
     PROFILE_ARGS=(--layout 6x512)
 fi
 
+# the disk tier on the checkout's disk (out/ is ignored by git), not a tmpfs /tmp
+STORE=$PWD/out/gpu_check_store
+mkdir -p "$STORE"
+BENCH_ARGS+=(--store-path "$STORE")
+
 failed=()
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log it, remember a failure
     local name=$1 limit=$2

@@ -248,3 +248,10 @@ def test_bench_counts_stay_under_the_ceilings(bench_results, chunks):
         got = {k: bench_results["by_chunks"][chunks][mode][k] for k in CONTRACT}
         for key, ceiling in ceilings.items():
             assert got[key] <= ceiling, (chunks, mode, key, got)
+
+
+def test_kernels_and_syncs_per_layer_do_not_grow_with_the_chunk_count(bench_results):
+    by_chunks = bench_results["by_chunks"]
+    for mode in ("reuse", "blend"):
+        counts = {k: {key: by_chunks[k][mode][key] for key in CONTRACT} for k in by_chunks}
+        assert counts["3"] == counts["6"] == counts["12"], (mode, counts)
