@@ -1,5 +1,5 @@
-"""Host staging for the layer loader: every cached segment of a layer → one host buffer → the
-compute device in one copy per tensor (K, V), with an event per layer instead of a global wait.
+"""Host staging for the layer loader: every cached segment of a layer → host buffers → the
+compute device in one copy per buffer (K, V), with an event per layer instead of a global wait.
 
 The same code runs on both devices; only the copy engine differs (:class:`HostCopies`,
 :class:`CudaCopies`):
@@ -13,6 +13,11 @@ The same code runs on both devices; only the copy engine differs (:class:`HostCo
   needs staging; a CPU does not (it is one copy more than reading the tier into the layer
   directly), so the CPU takes it only when asked (``LayerLoader(staging=True)``): that is how
   CPU tests cover the ring, its events and the reader thread that the CUDA path runs.
+
+Compactly stored segments (int8 codes + scales, or a float storage dtype narrower than the
+compute dtype, e.g. bf16 with fp32 compute) are staged as stored and widened on the compute
+device after the copy (:class:`CompactLayout`), so the host buffers and the copies carry the
+compact bytes; the widening is the arithmetic of ``quant.decode_layer``, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ragblend.store.base import ChunkKV, KVEntry
+from ragblend.store.quant import FLOAT_KV_DTYPES
 
 if TYPE_CHECKING:
     from ragblend.fusion.layer_loader import LayerLoader
@@ -59,6 +65,9 @@ class HostCopies:
     def stream(self) -> AbstractContextManager:
         return nullcontext()
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
     def record(self) -> CopyEvent:
         return COMPLETE
 
@@ -85,6 +94,9 @@ class CudaCopies:
     def stream(self) -> AbstractContextManager:
         return torch.cuda.stream(self.side)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
     def record(self) -> CopyEvent:
         event = torch.cuda.Event()
         event.record(self.side)
@@ -109,27 +121,28 @@ class Stager:
     """Loads one layer of every segment through a ring of host buffers.
 
     The ring has ``loader.prefetch + 1`` slots (one per layer the reader may hold ahead, plus
-    the one being filled); each slot is a K and a V buffer [1, Hkv, N, d] in the compute dtype,
-    pinned on CUDA. Segments already resident on the compute device (a device tier) skip the
-    ring and are copied on the device, all of them by one ``cat`` per tensor when nothing
-    else is in the layer.
+    the one being filled), pinned on CUDA, laid out by a :class:`CompactLayout`: a K and a V
+    buffer [1, Hkv, N, d] in the compute dtype when no segment is stored compactly. Segments
+    already resident on the compute device (a device tier) skip the ring and are copied on the
+    device, all of them by one ``cat`` per tensor when nothing else is in the layer.
     """
 
     def __init__(self, loader: LayerLoader, copies: Copies) -> None:
         self.loader = loader
         self.copies = copies
         heads, dim = loader.shape
-        self.resident = [_resident(c, loader.device) for c in loader.caches]
+        caches = loader.caches
+        self.resident = [_resident(c, loader.device) for c in caches]
         self.host_segments = any(
-            c is not None and not r for c, r in zip(loader.caches, self.resident, strict=True)
+            c is not None and not r for c, r in zip(caches, self.resident, strict=True)
         )
-        self.ring: list[tuple[torch.Tensor, torch.Tensor, CopyEvent | None]] = []
-        if self.host_segments:
-            shape = (1, heads, loader.total, dim)
-            for _ in range(loader.prefetch + 1):
-                hk = torch.empty(shape, dtype=loader.dtype, pin_memory=copies.pin)
-                hv = torch.empty(shape, dtype=loader.dtype, pin_memory=copies.pin)
-                self.ring.append((hk, hv, None))
+        kinds = [_kind(c, r, loader.dtype) for c, r in zip(caches, self.resident, strict=True)]
+        with copies.stream():  # row indices (compact segments only) are uploaded once, here
+            self.layout = CompactLayout(kinds, loader.lengths, loader.device)
+        self.ring: list[tuple[dict[str, torch.Tensor], CopyEvent | None]] = [
+            (self.layout.buffers(heads, dim, loader.dtype, copies.pin), None)
+            for _ in range(loader.prefetch + 1 if self.host_segments else 0)
+        ]
         self.layers_staged = 0
 
     def enter_thread(self) -> None:
@@ -156,26 +169,26 @@ class Stager:
     def _through_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         lo = self.loader
         slot = layer % len(self.ring)
-        hk, hv, done = self.ring[slot]
+        host, done = self.ring[slot]
         if done is not None:
-            done.synchronize()  # the previous copy out of this host buffer has finished
+            done.synchronize()  # the previous copy out of this slot's buffers has finished
         device_parts = []
         start = 0
-        for cache, n, resident in zip(lo.caches, lo.lengths, self.resident, strict=True):
-            if cache is None:
-                hk[0, :, start : start + n].zero_()
-                hv[0, :, start : start + n].zero_()
-            else:
-                ck, cv = cache.layer(layer)  # disk → RAM happens here, on the reader's thread
-                if resident:
-                    device_parts.append((start, n, ck, cv))
-                else:
-                    hk[0, :, start : start + n].copy_(ck)
-                    hv[0, :, start : start + n].copy_(cv)
+        for i, (cache, n) in enumerate(zip(lo.caches, lo.lengths, strict=True)):
+            if self.resident[i]:
+                device_parts.append((start, n, *cache.layer(layer)))  # type: ignore[union-attr]
+            else:  # disk → RAM happens here, on the reader's thread
+                self.layout.fill(host, i, cache, layer)
             start += n
-        k.copy_(hk, non_blocking=True)
-        v.copy_(hv, non_blocking=True)
-        self.ring[slot] = (hk, hv, self.copies.record())
+        if self.layout.direct:  # no compact segment: the buffers are the layer
+            moved = {"full.k": k, "full.v": v}
+        else:
+            moved = {name: torch.empty_like(t, device=lo.device) for name, t in host.items()}
+        for name, t in host.items():
+            self.copies.copy(moved[name], t)
+        self.ring[slot] = (host, self.copies.record())
+        if not self.layout.direct:
+            self.layout.widen(moved, k, v)
         for start, n, ck, cv in device_parts:  # a tier mix: device-resident rows on the device
             k[0, :, start : start + n].copy_(ck, non_blocking=True)
             v[0, :, start : start + n].copy_(cv, non_blocking=True)
@@ -183,6 +196,112 @@ class Stager:
     def consume(self, k: torch.Tensor, v: torch.Tensor, ready: CopyEvent) -> None:
         """Make the consumer's stream wait for ``ready`` and own ``k`` and ``v``."""
         self.copies.hand_over(ready, (k, v))
+
+
+FULL, INT8 = "full", "int8"
+
+
+class CompactLayout:
+    """How a ring slot holds a layer: the prompt's rows grouped by how they are staged.
+
+    With no compactly stored segment (``direct``) there is one group, ``"full"``, of every row.
+    Otherwise each segment's rows go, in prompt order, to one group: ``"full"`` (compute-dtype
+    segments and zeros), ``"int8"``, or a narrower float storage dtype's name (``"bfloat16"``,
+    ...), device-resident segments to none. A ring slot holds, per group of ``n`` rows,
+    ``"{group}.k"``/``"{group}.v"`` [1, Hkv, n, d] as stored (int8 codes; the storage dtype;
+    the compute dtype for ``"full"``), and for int8 ``"int8.v_scale"`` [1, Hkv, n, 1] and
+    ``"int8.k_scale"`` [Hkv, S, d] (float32, a column per int8 segment). :meth:`widen` spends
+    a fixed number of kernels per layer, however many segments there are.
+    """
+
+    def __init__(self, kinds: list[str | None], lengths: list[int], device: torch.device) -> None:
+        #: no compact segment: one "full" group of every row, copied as it is into the layer
+        self.direct = all(kind in (None, FULL) for kind in kinds)
+        if self.direct:
+            kinds = [FULL] * len(kinds)  # device-resident rows are left unfilled, overwritten
+        self.kinds, self.lengths = kinds, lengths
+        self.at: list[int] = []  # each segment's first row in its group
+        self.column: list[int] = []  # each segment's column in int8.k_scale (int8 only)
+        rows: dict[str, list[int]] = {}
+        row_column: list[int] = []  # each int8 row's column in int8.k_scale
+        start, scales = 0, 0
+        for kind, n in zip(kinds, lengths, strict=True):
+            group = [] if kind is None else rows.setdefault(kind, [])
+            self.at.append(len(group))
+            self.column.append(scales)
+            if kind == INT8:
+                row_column += [scales] * n
+                scales += 1
+            group.extend(range(start, start + n))
+            start += n
+        self.scales = scales
+        self.sizes = {group: len(r) for group, r in rows.items()}
+        # uploaded once: each group's rows in the prompt, each int8 row's K-scale column
+        index = {**rows, "int8.k_scale": row_column} if not self.direct else {}
+        self.index = {g: torch.tensor(r, dtype=torch.long, device=device) for g, r in index.items()}
+
+    def buffers(
+        self, heads: int, dim: int, dtype: torch.dtype, pin: bool
+    ) -> dict[str, torch.Tensor]:
+        """One ring slot's host buffers (see the class)."""
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for group, n in self.sizes.items():
+            stored = {FULL: dtype, INT8: torch.int8}.get(group) or FLOAT_KV_DTYPES[group]
+            shapes[f"{group}.k"] = shapes[f"{group}.v"] = ((1, heads, n, dim), stored)
+        if INT8 in self.sizes:
+            shapes["int8.k_scale"] = ((heads, self.scales, dim), torch.float32)
+            shapes["int8.v_scale"] = ((1, heads, self.sizes[INT8], 1), torch.float32)
+        return {n: torch.empty(s, dtype=t, pin_memory=pin) for n, (s, t) in shapes.items()}
+
+    def fill(
+        self, host: dict[str, torch.Tensor], i: int, cache: KVEntry | None, layer: int
+    ) -> None:
+        """Stage segment ``i``'s layer ``layer`` (as stored) into its group's rows of ``host``."""
+        group, rows = self.kinds[i], slice(self.at[i], self.at[i] + self.lengths[i])
+        hk, hv = host[f"{group}.k"][0, :, rows], host[f"{group}.v"][0, :, rows]
+        if cache is None:
+            hk.zero_()
+            hv.zero_()
+            return
+        if group == FULL:
+            ck, cv = cache.layer(layer)
+        else:
+            stored = cache.stored_layer(layer)
+            ck, cv = stored["k"], stored["v"]
+            if group == INT8:
+                host["int8.v_scale"][0, :, rows].copy_(stored["v_scale"])
+                host["int8.k_scale"][:, self.column[i]].copy_(stored["k_scale"][:, 0])
+        hk.copy_(ck)
+        hv.copy_(cv)
+
+    def widen(self, moved: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every group of ``moved`` (a slot's buffers on the device) into its rows of ``k`` and
+        ``v`` [1, Hkv, N, d], widened as ``quant.decode_layer`` does: per int8 layer
+        ``index_select`` (K scales → rows), 2 casts, 2 multiplies, 2 casts to the compute dtype
+        (none for fp32); per narrow float 2 casts; per group 2 ``index_copy_``."""
+        for group in self.sizes:
+            pk, pv, rows = moved[f"{group}.k"], moved[f"{group}.v"], self.index[group]
+            if group == INT8:
+                k_scale = moved["int8.k_scale"].index_select(1, self.index["int8.k_scale"])
+                pk = pk.float() * k_scale
+                pv = pv.float() * moved["int8.v_scale"]
+            k.index_copy_(2, rows, pk.to(k.dtype))
+            v.index_copy_(2, rows, pv.to(v.dtype))
+
+
+def _kind(cache: KVEntry | None, resident: bool, dtype: torch.dtype) -> str | None:
+    """How a segment is staged: None (device-resident), ``"full"`` (in the compute dtype, or
+    zeros), ``"int8"``, or its float storage dtype's name where narrower than ``dtype``."""
+    if resident:
+        return None
+    meta = getattr(cache, "meta", None) or {}
+    if FLOAT_KV_DTYPES.get(meta.get("compute_dtype", "")) != dtype:  # widened on the host
+        return FULL
+    stored = meta.get("kv_dtype", "")
+    if stored == INT8:
+        return INT8
+    narrow = FLOAT_KV_DTYPES.get(stored)
+    return stored if narrow is not None and narrow.itemsize < dtype.itemsize else FULL
 
 
 def _resident(cache: KVEntry | None, device: torch.device) -> bool:
