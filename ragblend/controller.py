@@ -288,7 +288,7 @@ def measure_blend(
         return torch.randint(100, top, (n,), generator=generator).tolist()
 
     head, separator, question = ids(16), ids(1), ids(16)
-    chunks = [ids(tokens) for chunks, tokens in layouts for _ in range(chunks)]
+    chunks = [ids(tokens) for count, tokens in layouts for _ in range(count)]
     for chunk in chunks:
         view.precompute_ids(chunk, head)
     prompts, start = [], 0
