@@ -45,6 +45,7 @@ from gpu_shape import run_shape
 from gpu_timing import attention_bench
 
 from ragblend.bench.environment import environment, nvidia_smi
+from ragblend.bench.harness import resolve_device
 from ragblend.bench.shapes import SHAPES
 
 FULL_DEFAULTS = dict(
@@ -179,26 +180,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def resolve_device(name: str) -> torch.device:
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise SystemExit(
-                f"gpu_bench.py: error: --device {name} requested but CUDA is not available "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
-                "run on a GPU machine or use --device cpu --shape tiny for a smoke test"
-            )
-        device = torch.device(name)
-        return torch.device(
-            "cuda", torch.cuda.current_device() if device.index is None else device.index
-        )
-    if name != "cpu":
-        raise SystemExit(f"gpu_bench.py: error: unknown device {name!r} (cuda, cuda:N, cpu)")
-    return torch.device("cpu")
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "gpu_bench.py")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = DTYPES[args.dtype]
@@ -218,7 +202,7 @@ def main(argv=None) -> dict:
         flush=True,
     )
     for shape in args.shapes:
-        results["models"][shape] = run_shape(shape, args, device, dtype, out)
+        results["models"][shape] = run_shape(shape, args, device, out)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     if not args.skip_attention:
         spec = SHAPES[args.shapes[0]]

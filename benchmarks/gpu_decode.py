@@ -45,14 +45,14 @@ if str(REPO) not in sys.path:  # run from a checkout without an installed ragble
 import torch  # noqa: E402
 
 from ragblend.bench.environment import environment, nvidia_smi  # noqa: E402
-from ragblend.bench.shapes import SHAPES, IdTokenizer, build_model, random_ids  # noqa: E402
-from ragblend.config import BlendConfig  # noqa: E402
+from ragblend.bench.harness import peak_memory, resolve_device, sync  # noqa: E402
+from ragblend.bench.shapes import SHAPES, random_ids, shape_engine  # noqa: E402
 from ragblend.engine import BlendEngine  # noqa: E402
 from ragblend.layer_decode import LayerDecoder, decode_batch  # noqa: E402
 from ragblend.prompt import TokenizedPrompt  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")
 FULL_DEFAULTS = dict(prompt_tokens=3157, steps=32, repeats=3)
 TINY_DEFAULTS = dict(prompt_tokens=256, steps=8, repeats=2)
 CHECK_TOKENS = 4  # greedy tokens compared, alone vs in a batch
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--dtype",
         default=None,
-        choices=tuple(DTYPES),
+        choices=DTYPES,
         help="default bfloat16 on CUDA, float32 on CPU",
     )
     ap.add_argument(
@@ -114,27 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prompt_tokens < 2 or args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         ap.error("--prompt-tokens >= 2, --steps >= 1, --repeats >= 1, --warmup >= 0")
     return args
-
-
-def resolve_device(name: str) -> torch.device:
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise SystemExit(
-                f"gpu_decode.py: error: --device {name} requested but CUDA is not available "
-                f"(torch {torch.__version__}); use --device cpu --shape tiny for a smoke test"
-            )
-        device = torch.device(name)
-        return torch.device(
-            "cuda", torch.cuda.current_device() if device.index is None else device.index
-        )
-    if name != "cpu":
-        raise SystemExit(f"gpu_decode.py: error: unknown device {name!r} (cuda, cuda:N, cpu)")
-    return torch.device("cpu")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Decoders:
@@ -174,18 +153,8 @@ class Decoders:
 
 
 def run_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dict:
-    dtype = DTYPES[args.dtype]
-    t0 = time.perf_counter()
-    model = build_model(shape, device, dtype, args.seed)
-    sync(device)
-    build_s = time.perf_counter() - t0
-    engine = BlendEngine(
-        model,
-        IdTokenizer(),
-        BlendConfig(device=str(device), dtype=args.dtype, precompute_context="prefix"),
-        store=MemoryStore(1 << 30),
-        name=f"{shape} (random weights)",
-    )
+    engine, build_s = shape_engine(shape, device, args.dtype, args.seed, MemoryStore(1 << 30))
+    model = engine.model
     engine.prepare_decode()
     vocab = int(model.config.vocab_size)
     rng = random.Random(args.seed)
@@ -250,10 +219,9 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dic
     }
     del pool, prefill, engine, model
     gc.collect()
-    if device.type == "cuda":
-        info["max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    peak = peak_memory(device)
+    if peak is not None:
+        info["max_memory_allocated_bytes"] = peak
     return info
 
 
@@ -269,7 +237,7 @@ def print_table(shape: str, info: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "gpu_decode.py")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.dtype is None:

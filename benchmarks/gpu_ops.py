@@ -41,8 +41,7 @@ if str(REPO) not in sys.path:  # run from a checkout without an installed ragble
 import torch  # noqa: E402
 
 from ragblend.bench.gpu_ops import DeviceTracker, count_prefill  # noqa: E402
-from ragblend.bench.shapes import SHAPES, IdTokenizer, build_model, random_ids  # noqa: E402
-from ragblend.config import BlendConfig  # noqa: E402
+from ragblend.bench.shapes import SHAPES, random_ids, shape_engine  # noqa: E402
 from ragblend.engine import BlendEngine  # noqa: E402
 from ragblend.prompt import TokenizedPrompt  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
@@ -104,21 +103,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_engine(args: argparse.Namespace) -> tuple[BlendEngine, MemoryStore]:
     """The engine on the generic device path (see the module docstring), on CPU in fp32."""
     layers = args.layers or (12 if args.shape == "tiny" else None)
-    overrides = {"num_hidden_layers": layers} if layers else {}
-    model = build_model(args.shape, torch.device("cpu"), torch.float32, args.seed, **overrides)
     store = MemoryStore(1 << 40)
-    engine = BlendEngine(
-        model,
-        IdTokenizer(),
-        # Driven with token ids only (no chat template): chunks are keyed by the given head.
-        BlendConfig(
-            device="cpu",
-            dtype="float32",
-            precompute_context="prefix",
-            row_attention=args.row_attention,
-        ),
-        store=store,
-        name=f"{args.shape} (random weights)",
+    engine, _ = shape_engine(
+        args.shape,
+        torch.device("cpu"),
+        "float32",
+        args.seed,
+        store,
+        model_overrides={"num_hidden_layers": layers} if layers else None,
+        row_attention=args.row_attention,
     )
     return engine, store
 

@@ -63,9 +63,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from ragblend.bench.environment import environment, nvidia_smi  # noqa: E402
-from ragblend.bench.shapes import SHAPES, IdTokenizer, build_model, random_ids  # noqa: E402
-from ragblend.config import BlendConfig  # noqa: E402
-from ragblend.engine import BlendEngine  # noqa: E402
+from ragblend.bench.harness import peak_memory, resolve_device, sync  # noqa: E402
+from ragblend.bench.shapes import SHAPES, pinned, random_ids, shape_engine  # noqa: E402
 from ragblend.prompt import TokenizedPrompt  # noqa: E402
 from ragblend.store.base import ChunkKV  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
@@ -89,7 +88,7 @@ NON_KERNEL |= {
     "aten::as_strided_",
 }
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")
 MODES = ("full", "prefix", "reuse", "blend")
 FULL_DEFAULTS = dict(layout="6x512", head_tokens=48, question_tokens=32)
 TINY_DEFAULTS = dict(layout="3x48", head_tokens=16, question_tokens=8)
@@ -116,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     ap.add_argument(
-        "--dtype", default=None, choices=tuple(DTYPES), help="default bfloat16 on CUDA, else fp32"
+        "--dtype", default=None, choices=DTYPES, help="default bfloat16 on CUDA, else fp32"
     )
     ap.add_argument("--layout", default=None, help="chunks x tokens (default 6x512; tiny: 3x48)")
     ap.add_argument("--head-tokens", type=int, default=None, help="default 48; tiny: 16")
@@ -158,32 +157,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; expected some of {', '.join(MODES)}")
     return args
-
-
-def resolve_device(name: str) -> torch.device:
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise SystemExit(
-                f"gpu_profile.py: error: --device {name} requested but CUDA is not available "
-                f"(torch {torch.__version__}); use --device cpu --shape tiny for a smoke test"
-            )
-        device = torch.device(name)
-        return torch.device(
-            "cuda", torch.cuda.current_device() if device.index is None else device.index
-        )
-    if name != "cpu":
-        raise SystemExit(f"gpu_profile.py: error: unknown device {name!r} (cuda, cuda:N, cpu)")
-    return torch.device("cpu")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    t = t.detach().to("cpu").contiguous()
-    return t.pin_memory() if pin else t
 
 
 # ------------------------------------------------------------------ profiler events
@@ -374,20 +347,9 @@ def summarize(prof, device: torch.device, top: int) -> dict:
 
 # ------------------------------------------------------------------ one shape
 def build_engine(shape: str, args: argparse.Namespace, device: torch.device):
-    dtype = DTYPES[args.dtype]
-    t0 = time.perf_counter()
-    model = build_model(shape, device, dtype, args.seed)
-    sync(device)
-    build_s = time.perf_counter() - t0
     master = MemoryStore(1 << 40)
-    engine = BlendEngine(
-        model,
-        IdTokenizer(),
-        # Driven with token ids only (no chat template): chunks are keyed by the given head.
-        BlendConfig(device=str(device), dtype=args.dtype, precompute_context="prefix"),
-        store=master,
-        name=f"{shape} (random weights)",
-    )
+    engine, build_s = shape_engine(shape, device, args.dtype, args.seed, master)
+    model = engine.model
     vocab = int(model.config.vocab_size)
     rng = random.Random(args.seed)
     head = [int(model.config.bos_token_id)] + random_ids(rng, args.head_tokens - 1, vocab)
@@ -469,10 +431,9 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, out: P
         del prof
     del engine
     gc.collect()
-    if device.type == "cuda":
-        info["max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    peak = peak_memory(device)
+    if peak is not None:
+        info["max_memory_allocated_bytes"] = peak
     return info
 
 
@@ -502,7 +463,7 @@ def print_summary(shape: str, info: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "gpu_profile.py")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.dtype is None:

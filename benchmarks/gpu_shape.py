@@ -21,9 +21,8 @@ from gpu_report import plot_shape, print_layout, print_rates
 from gpu_timing import floats, layout_sweep, make_variants, rate_sweep
 
 from ragblend.bench.environment import filesystem_of
-from ragblend.bench.harness import sync
-from ragblend.bench.shapes import SHAPES, IdTokenizer, build_model, random_ids
-from ragblend.config import BlendConfig
+from ragblend.bench.harness import peak_memory, sync
+from ragblend.bench.shapes import SHAPES, pinned, random_ids, shape_engine
 from ragblend.engine import BlendEngine
 from ragblend.prompt import TokenizedPrompt
 from ragblend.store import make_store
@@ -37,11 +36,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
         k, n = part.lower().strip().split("x")
         out.append((int(k), int(n)))
     return out
-
-
-def pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    t = t.detach().to("cpu").contiguous()
-    return t.pin_memory() if pin else t
 
 
 def tier_stores(
@@ -85,24 +79,14 @@ def view_for(engine: BlendEngine, store, controller=None) -> BlendEngine:
     return engine.with_config(store=store, controller=controller)
 
 
-def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
+def run_shape(shape: str, args, device, out: Path) -> dict:
     from ragblend.controller import LoadingController
 
-    t0 = time.perf_counter()
-    model = build_model(shape, device, dtype, args.seed)
-    sync(device)
-    build_s = time.perf_counter() - t0
+    master = MemoryStore(1 << 40)
+    engine, build_s = shape_engine(shape, device, args.dtype, args.seed, master)
+    model = engine.model
     cfg = model.config
     vocab = int(cfg.vocab_size)
-    master = MemoryStore(1 << 40)
-    engine = BlendEngine(
-        model,
-        IdTokenizer(),
-        # Driven with token ids only (no chat template): chunks are keyed by the given head.
-        BlendConfig(device=str(device), dtype=args.dtype, precompute_context="prefix"),
-        store=master,
-        name=f"{shape} (random weights)",
-    )
     lay = engine.layers
     info = {
         "shape": shape,
@@ -238,8 +222,7 @@ def run_shape(shape: str, args, device, dtype, out: Path) -> dict:
     plot_shape(info, out)
     del engine, views, model, master
     gc.collect()
-    if device.type == "cuda":
-        info["max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    peak = peak_memory(device)
+    if peak is not None:
+        info["max_memory_allocated_bytes"] = peak
     return info

@@ -231,7 +231,8 @@ def load_or_profile(
             profile = None
     changed = False
     if profile is None:
-        profile = profile_engine(prefill, layers, fingerprint, vocab_size)
+        fit = blend() if blend is not None else None
+        profile = profile_engine(prefill, layers, fingerprint, vocab_size, fit=fit)
         changed = True
     if disk_path is not None and (
         "disk" not in profile.bandwidth or profile.disk_path != str(disk_path)
@@ -239,12 +240,8 @@ def load_or_profile(
         profile.bandwidth["disk"] = measure_disk_bandwidth(disk_path, layers.device)
         profile.disk_path = str(disk_path)
         changed = True
-    if blend is not None and profile.blend_ms_fixed is None:
-        fit = blend()
-        profile.prefill_ms_fixed, profile.prefill_ms_per_token = fit.full
-        profile.blend_ms_fixed, profile.blend_ms_per_token = fit.blend
-        profile.blend_ratio = fit.ratio
-        profile.measured["blend"] = fit.measured
+    if blend is not None and profile.blend_ms_fixed is None:  # a profile made without it
+        with_blend(profile, blend())
         changed = True
     if changed:
         _write_json(path, profile.to_json())
@@ -316,6 +313,15 @@ def measure_blend(
     )
 
 
+def with_blend(profile: Profile, fit: BlendFit) -> None:
+    """Set ``profile``'s blend and full-prefill fits from ``fit`` (the full fit too: it was
+    measured at the lengths RAG prompts have, beside blend)."""
+    profile.prefill_ms_fixed, profile.prefill_ms_per_token = fit.full
+    profile.blend_ms_fixed, profile.blend_ms_per_token = fit.blend
+    profile.blend_ratio = fit.ratio
+    profile.measured["blend"] = fit.measured
+
+
 def _fit(lengths: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     """(fixed ms, ms per token) through the first and last (length, time) points."""
     (n1, n2), (t1, t2) = (lengths[0], lengths[-1]), (times[0], times[-1])
@@ -330,42 +336,47 @@ def profile_engine(
     vocab_size: int,
     lengths: tuple[int, int] = (64, 256),
     repeats: int = 2,
+    fit: BlendFit | None = None,
 ) -> Profile:
     """Measure ``prefill`` time (two prompt lengths, linear fit) and RAM → device bandwidth.
 
-    ``prefill(ids)`` runs a full prefill of ``ids`` (the engine's ``full_prefill``).
+    ``prefill(ids)`` runs a full prefill of ``ids`` (the engine's ``full_prefill``). Given
+    ``fit`` (:func:`measure_blend`), its full and blend fits are taken instead of timing
+    ``prefill`` again.
     """
     device = layers.device
-    generator = torch.Generator().manual_seed(0)
-    top = max(101, vocab_size - 100)
-    ids = torch.randint(100, top, (max(lengths),), generator=generator).tolist()
-    prefill(ids[:16])  # warm up kernels and allocator
-    times = []
-    for n in lengths:
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            prefill(ids[:n])
-            _sync(device)
-            best = min(best, (time.perf_counter() - t0) * 1000)
-        times.append(best)
-    (n1, n2), (t1, t2) = lengths, times
-    per_token = max(1e-6, (t2 - t1) / (n2 - n1))
-    fixed = max(0.0, t1 - per_token * n1)
-    return Profile(
+    measured: dict = {"when": time.time(), "torch_threads": torch.get_num_threads()}
+    if fit is None:
+        generator = torch.Generator().manual_seed(0)
+        top = max(101, vocab_size - 100)
+        ids = torch.randint(100, top, (max(lengths),), generator=generator).tolist()
+        prefill(ids[:16])  # warm up kernels and allocator
+        times = []
+        for n in lengths:
+            best = float("inf")
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                prefill(ids[:n])
+                _sync(device)
+                best = min(best, (time.perf_counter() - t0) * 1000)
+            times.append(best)
+        fixed, per_token = _fit(lengths, times)
+        measured["prefill_ms"] = dict(zip(map(str, lengths), times, strict=True))
+    else:
+        fixed, per_token = fit.full
+    profile = Profile(
         fingerprint=fingerprint,
         device=str(device),
         prefill_ms_fixed=fixed,
         prefill_ms_per_token=per_token,
         bytes_per_token=layers.kv_bytes_per_token(),
         bandwidth={"ram": measure_ram_bandwidth(device)},
-        measured={
-            "prefill_ms": dict(zip(map(str, lengths), times, strict=True)),
-            "when": time.time(),
-            "torch_threads": torch.get_num_threads(),
-        },
+        measured=measured,
     )
+    if fit is not None:
+        with_blend(profile, fit)
+    return profile
 
 
 def measure_ram_bandwidth(device: torch.device | str, nbytes: int = 64 << 20) -> float:

@@ -38,12 +38,18 @@ def test_position_mask_uses_original_positions_not_bottom_right_alignment():
     assert not torch.equal(mask, bottom_right)
 
 
-def test_blocked_gqa_attention_matches_per_row_reference_with_and_without_window():
+def _scattered_rows(n: int = 700, rows: int = 300, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    """Ascending random positions of ``rows`` of ``n`` tokens, their queries and every key."""
     torch.manual_seed(0)
-    n, heads, kv_heads, dim = 700, 4, 2, 8
-    positions = torch.tensor(sorted(torch.randperm(n)[:300].tolist()))
+    positions = torch.tensor(sorted(torch.randperm(n)[:rows].tolist()))
     q = torch.randn(1, heads, positions.numel(), dim)
     k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    return positions, q, k, v
+
+
+def test_blocked_gqa_attention_matches_per_row_reference_with_and_without_window():
+    positions, q, k, v = _scattered_rows()
+    heads, kv_heads = q.shape[1], k.shape[1]
     for window in (None, 50):
         plan = RowAttentionPlan(positions, heads // kv_heads, q.dtype, window)
         assert len(plan.blocks) > 1
@@ -220,11 +226,8 @@ def test_a_maskless_causal_plan_refuses_keys_of_another_length():
 def test_one_device_masked_call_matches_the_per_row_reference_and_the_blocks():
     # What a GPU runs after a selection: every row in one SDPA call with a mask built from the
     # positions on the device, never read on the host.
-    torch.manual_seed(0)
-    n, heads, kv_heads, dim = 700, 4, 2, 8
-    positions = torch.tensor(sorted(torch.randperm(n)[:300].tolist()))
-    q = torch.randn(1, heads, positions.numel(), dim)
-    k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    positions, q, k, v = _scattered_rows()
+    n = k.shape[2]
     for window in (None, 50):
         one = RowAttentionPlan(positions, 2, q.dtype, window, n, device_masks=True)
         blocks = RowAttentionPlan(positions, 2, q.dtype, window, n)

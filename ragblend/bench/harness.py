@@ -43,6 +43,36 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def resolve_device(name: str, script: str) -> torch.device:
+    """The device a benchmark's ``--device name`` (cuda, cuda:N or cpu) names, with its index;
+    a clear exit naming ``script`` where CUDA is asked for and absent, or the name is unknown."""
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                f"{script}: error: --device {name} requested but CUDA is not available "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                "run on a GPU machine or use --device cpu --shape tiny for a smoke test"
+            )
+        device = torch.device(name)
+        return torch.device(
+            "cuda", torch.cuda.current_device() if device.index is None else device.index
+        )
+    if name != "cpu":
+        raise SystemExit(f"{script}: error: unknown device {name!r} (cuda, cuda:N, cpu)")
+    return torch.device("cpu")
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Bytes the run allocated at most on a CUDA ``device`` (None elsewhere); releases the
+    cached blocks and resets the peak for the next run."""
+    if device.type != "cuda":
+        return None
+    peak = int(torch.cuda.max_memory_allocated(device))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

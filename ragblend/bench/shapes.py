@@ -177,6 +177,46 @@ def build_model(
     return model.eval()
 
 
+def shape_engine(
+    shape: str,
+    device: torch.device,
+    dtype: str,
+    seed: int,
+    store: Any,
+    model_overrides: dict[str, Any] | None = None,
+    **config: Any,
+) -> tuple[Any, float]:
+    """A ``BlendEngine`` over a random-weight ``shape`` (``dtype`` a ``BlendConfig.dtype``
+    name; ``model_overrides`` as :func:`build_model`'s, ``config`` further ``BlendConfig``
+    fields) driven by token ids (no chat template: chunks are keyed by the given head), and
+    the seconds the model took to build."""
+    import time
+
+    from ragblend.bench.harness import sync
+    from ragblend.config import BlendConfig
+    from ragblend.engine import BlendEngine
+    from ragblend.models.dtype import DTYPES
+
+    t0 = time.perf_counter()
+    model = build_model(shape, device, DTYPES[dtype], seed, **(model_overrides or {}))
+    sync(device)
+    build_s = time.perf_counter() - t0
+    engine = BlendEngine(
+        model,
+        IdTokenizer(),
+        BlendConfig(device=str(device), dtype=dtype, precompute_context="prefix", **config),
+        store=store,
+        name=f"{shape} (random weights)",
+    )
+    return engine, build_s
+
+
+def pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` as a contiguous host tensor, page-locked where ``pin`` (a RAM tier beside a GPU)."""
+    t = t.detach().to("cpu").contiguous()
+    return t.pin_memory() if pin else t
+
+
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     """``n`` random token ids, clear of the low special ids and Llama-3's special tokens."""
     hi = min(vocab, 128000)  # stay below Llama-3's special tokens

@@ -105,36 +105,40 @@ class CachedKeyTemperature:
         self._unscaled: torch.Tensor | None = None
         self._factors: torch.Tensor | None = None
 
+    def stale_rows(self, computed: torch.Tensor, stale: int | None = None) -> torch.Tensor | None:
+        """Bool [N]: rows still served from the cache when ``computed`` rows were recomputed
+        on the layer, or ``None`` when there are none (nothing to temper). ``stale``: how many
+        there are, when the caller knows: then nothing is read back from the device (no host
+        sync on a GPU)."""
+        rows = self.approximate.clone()
+        rows[computed] = False
+        return rows if (bool(rows.any()) if stale is None else stale > 0) else None
+
     def unscaled_rows(
         self, computed: torch.Tensor, stale: int | None = None
     ) -> torch.Tensor | None:
-        """Rows whose logits keep scale 1 when ``computed`` rows were recomputed on the layer,
-        or ``None`` when no row is still served from the cache (nothing to temper).
-        ``stale``: how many rows are (approximate and not computed), when the caller knows:
-        then nothing is read back from the device (no host sync on a GPU)."""
+        """Indices of the rows whose logits keep scale 1 (see :meth:`stale_rows`), made once
+        per selection."""
         if self._computed is not computed:  # the active rows change only at check layers
-            rows = self.approximate.clone()
-            rows[computed] = False
-            if stale is None:
-                self._unscaled = (~rows).nonzero().squeeze(1) if bool(rows.any()) else None
-            elif stale > 0:
-                self._unscaled = (~rows).nonzero_static(size=rows.numel() - stale).squeeze(1)
-            else:
+            rows = self.stale_rows(computed, stale)
+            if rows is None:
                 self._unscaled = None
+            elif stale is None:
+                self._unscaled = (~rows).nonzero().squeeze(1)
+            else:
+                self._unscaled = (~rows).nonzero_static(size=rows.numel() - stale).squeeze(1)
             self._computed = computed
         return self._unscaled
 
     def key_factors(self, computed: torch.Tensor, stale: int | None = None) -> torch.Tensor | None:
         """fp32 [1, 1, N, 1]: T on rows whose logits keep scale 1, 1 on stale rows (see
-        :meth:`unscaled_rows`; ``None`` when nothing is stale), made once per selection."""
+        :meth:`stale_rows`), made once per selection."""
         if self._computed is not computed:
-            rows = self.approximate.clone()
-            rows[computed] = False
-            if bool(rows.any()) if stale is None else stale > 0:
+            rows = self.stale_rows(computed, stale)
+            self._factors = None
+            if rows is not None:
                 one = torch.ones((), device=rows.device)
                 self._factors = torch.where(rows, one, self.temperature).view(1, 1, -1, 1)
-            else:
-                self._factors = None
             self._computed = computed
         return self._factors
 
