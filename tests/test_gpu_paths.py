@@ -214,7 +214,8 @@ def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
     assert set(variants) == expected
     for name, v in variants.items():
         assert v["ttft_ms_median"] > 0 and v["logits_finite"], name
-        if v["mode"] in ("reuse", "blend"):
+        fell_back = bool((v.get("controller") or {}).get("fallback_full"))  # auto ran full
+        if v["mode"] in ("reuse", "blend") and not fell_back:
             assert v["chunk_hits"] == 2 and v["chunk_misses"] == 0, name
     rates = tiny["rate_sweep"]
     assert len(rates["rates"]) == 2
