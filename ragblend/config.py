@@ -13,6 +13,10 @@ from ragblend.models.gguf import Weights, check_weights
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
 KV_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "int8")
+DecodeActivations = Literal["auto", "float", "int8"]
+DECODE_ACTIVATIONS: tuple[str, ...] = get_args(DecodeActivations)
+KvCacheDtype = Literal["auto", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 PrecomputeContext = Literal[
     "prefix", "canonical", "filler", "bos", "none", "neighbours", "previous"
 ]
@@ -89,6 +93,17 @@ class BlendConfig:
         bit), and decode steps' attention for all running requests in one call (over fp32 or
         bf16 K/V). See
         ``ragblend.fusion.native``.
+    decode_activations: how a decode step multiplies its rows by a GGUF's kept-quantized
+        weights: ``"float"`` (the rows as they are: dequantize + ``F.linear`` to fp32
+        rounding), ``"int8"`` (llama.cpp's arithmetic: each row quantized to 8 bits per block
+        of the weight's type, Q8_0 per 32 values or Q8_K per 256, and integer dot products;
+        ``ragblend.models.int8_decode``) or ``"auto"`` (what was measured faster at this CPU
+        level: ``ragblend.models.int8_decode.AUTO_BY_LEVEL``). Prefills keep the exact path;
+        dense models are unaffected.
+    kv_cache_dtype: the decode-time K/V cache (the prompt's K/V copied for decoding and every
+        generated token's): ``"auto"`` (the model's dtype) or ``"int8"`` (8-bit codes with
+        scales, half of bf16's bytes for each decode step to read). The chunk KV store and
+        prefills are unchanged.
     """
 
     ratio: float | Literal["auto"] = 0.15
@@ -126,6 +141,8 @@ class BlendConfig:
     max_new_tokens: int = 64
     packed_decode: bool = True
     row_attention: RowAttention = "auto"
+    decode_activations: DecodeActivations = "auto"
+    kv_cache_dtype: KvCacheDtype = "auto"
     ram_bytes: int = 4 << 30
     extra: dict = field(default_factory=dict)
 
@@ -156,6 +173,16 @@ class BlendConfig:
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
         check_row_attention(self.row_attention)
+        if self.decode_activations not in DECODE_ACTIVATIONS:
+            raise RagblendError(
+                f"unknown decode_activations {self.decode_activations!r}; expected one of "
+                f"{', '.join(DECODE_ACTIVATIONS)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise RagblendError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         check_weights(self.weights)
         if self.precompute_context not in PRECOMPUTE_CONTEXTS:
             raise RagblendError(
