@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ragblend.models.int8_decode import in_int8_step, int8_kernels
 from ragblend.models.quant_kernels import (
     MAX_ROWS,
     QUANT_TYPES,
@@ -87,7 +88,9 @@ class QuantizedWeight:
 class QuantLinear(nn.Module):
     """``nn.Linear`` over a :class:`QuantizedWeight` (``bias`` in the compute dtype or None).
 
-    ``dtype`` is the compute dtype: a prefill's dense weights and every output are in it."""
+    ``dtype`` is the compute dtype: a prefill's dense weights and every output are in it.
+    Inside an int8 decode step (:func:`ragblend.models.int8_decode.decode_step`), inputs of up
+    to :data:`MAX_ROWS` rows take llama.cpp's 8-bit-activation arithmetic instead."""
 
     def __init__(
         self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
@@ -105,10 +108,20 @@ class QuantLinear(nn.Module):
             flat = x.reshape(rows, self.in_features)
             if flat.dtype not in _KERNEL_DTYPES:
                 flat = flat.float()
-            out = self.qweight.matmul(flat, self.bias)
+            out = self._int8(flat) if in_int8_step() else None
+            if out is None:
+                out = self.qweight.matmul(flat, self.bias)
             if out is not None:
                 return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.qweight.dequantize(self.dtype), self.bias)
+
+    def _int8(self, flat: torch.Tensor) -> torch.Tensor | None:
+        kernels = int8_kernels()
+        if kernels is None:
+            return None
+        bias = None if self.bias is None else self.bias.detach().float()
+        w = self.qweight
+        return kernels.matmul(flat.float().contiguous(), w.blocks, w.qtype, w.cols, bias)
 
     def extra_repr(self) -> str:
         return (
@@ -136,13 +149,18 @@ def fused_matmul(
     biases = [None if m.bias is None else m.bias.detach() for m in layers]
     biases = [b if b is None or b.dtype in _KERNEL_DTYPES else b.float() for b in biases]
     sizes = [m.out_features for m in layers]
+    float_biases = [None if b is None else b.float() for b in biases]
 
     def call(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, cols)
         if flat.dtype not in _KERNEL_DTYPES:
             flat = flat.float()
-        current = quant_kernels() or kernels  # a benchmark's kernels_in_use, else these
-        out = current.matmul_cat(flat.contiguous(), blocks, qtypes, cols, biases)
+        int8 = int8_kernels() if in_int8_step() else None
+        if int8 is not None:
+            out = int8.matmul_cat(flat.float().contiguous(), blocks, qtypes, cols, float_biases)
+        else:
+            current = quant_kernels() or kernels  # a benchmark's kernels_in_use, else these
+            out = current.matmul_cat(flat.contiguous(), blocks, qtypes, cols, biases)
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1]).split(sizes, dim=-1)
 
     return call

@@ -1,0 +1,466 @@
+// GGUF quantized weights times 8-bit activations: llama.cpp's arithmetic for a decode step.
+//
+// CPU, AVX2 + FMA + F16C. The weights are ggml's blocks as stored (quant_blocks.cpp's header
+// says how); x [n, cols] (n <= 16 rows, float32) is first quantized per block of the weight's
+// type, as ggml quantizes activations for its integer dot products (the Python oracle,
+// ragblend/models/int8_reference.py, defines the same arithmetic in torch integers):
+//
+// - Q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 values a block): d = amax / 127,
+//   q = round(x * (1 / d)) half to even, d then rounded to float16;
+// - Q8_K for Q4_K, Q5_K, Q6_K (256 values a block): the same with d kept in float32, and the
+//   codes' sums per 16.
+//
+// A weight block's quants are unpacked to 32 unsigned bytes per span of 32 (the types whose
+// quants are signed around a fixed offset, Q4_0 8, Q5_0 16, Q6_K 32, subtract offset * sum(q_x)
+// in the integers; Q8_0's signed bytes take vpsignb), multiplied by the codes with vpmaddubsw
+// (no pair of products can saturate int16 at these ranges), summed to int32 by vpmaddwd with
+// the span's integer scale, so that each block's integer sum is exact. Its float32 term,
+// (d_w * d_x) * isum, goes into an 8-lane accumulator per (x row, weight row) by one FMA per
+// block; Q4_K and Q5_K subtract their minimums (dmin * d_x * sum_j m_j * bsum_j, the integer
+// sums in 8 lanes) by a second FMA, Q4_1 / Q5_1 add theirs (m * d_x * sum(q_x)) into a float32
+// scalar beside the lanes. Each pair's sums run over the columns in order and
+// are summed across lanes in a fixed order at the end: a row's output is the same bit for bit
+// whatever n and however the weight rows are split between threads.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "task_queue.h"
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;  // rows of x per call
+constexpr int64_t kTask = 32;     // weight rows per task
+
+using ragblend::for_tasks;
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float to_f16(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256i and8(__m256i a, int8_t m) { return _mm256_and_si256(a, _mm256_set1_epi8(m)); }
+
+inline float hsum(__m256 v) {  // fixed order: halves, then pairs, then lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 16 bytes of nibbles -> 32 bytes: the low nibbles (weights 0..15), then the high ones
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// a little-endian uint32 at p -> 32 bytes, 0x10 where bit l is set (ggml's bytes_from_bits_32)
+inline __m256i bits32_x10(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+  const __m256i one = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return and8(_mm256_cmpeq_epi8(_mm256_and_si256(spread, one), one), 0x10);
+}
+
+// sum over 32 pairs of u (unsigned bytes) * q (int8), as 8 int32 lanes
+inline __m256i dot32(__m256i u, __m256i q) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+}
+
+// x quantized for one block kind: codes [n, cols], d [n, cols / block], sums [n, cols / 16]
+struct XQuant {
+  int64_t block = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;
+};
+
+XQuant quantize_x(const float* x, int64_t n, int64_t cols, int64_t block) {
+  XQuant out;
+  out.block = block;
+  out.q.resize(n * cols);
+  out.d.resize(n * cols / block);
+  out.sums.resize(n * cols / 16);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < n * cols / block; ++i) {
+    const float* v = x + i * block;
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t k = 0; k < block; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+    const float amax = hmax(m);
+    const float d = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    int8_t* q = out.q.data() + i * block;
+    for (int64_t k = 0; k < block; k += 32) {
+      __m256i r[4];
+      for (int j = 0; j < 4; ++j)
+        r[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + k + 8 * j), id),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
+                          _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    out.d[i] = block == 32 ? to_f16(d) : d;
+    for (int64_t s = 0; s < block / 16; ++s) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += q[16 * s + k];
+      out.sums[i * block / 16 + s] = static_cast<int16_t>(sum);
+    }
+  }
+  return out;
+}
+
+// One row of x's blocks for a dot: codes, scale per block, sums per 16.
+struct XRow {
+  const int8_t* q;
+  const float* d;
+  const int16_t* sums;
+};
+
+// Per type: kElems weights in kBytes bytes, x in blocks of kX; Unpacked holds a block's
+// weights once for every row of x; dot(u, x, k, acc, minimum) adds block k of one x row.
+struct Q4_0 {
+  static constexpr int kElems = 32, kBytes = 18, kX = 32;
+  struct Unpacked { __m256i q; float d; };
+  static void unpack(const uint8_t* b, Unpacked& u) { u.q = nibbles32(b + 2); u.d = f16(b); }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
+    const int off = 8 * (x.sums[2 * k] + x.sums[2 * k + 1]);
+    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), _mm256_setr_epi32(off, 0, 0, 0, 0, 0, 0, 0));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kElems = 32, kBytes = 20, kX = 32;
+  struct Unpacked { __m256i q; float d, m; };
+  static void unpack(const uint8_t* b, Unpacked& u) { u.q = nibbles32(b + 4); u.d = f16(b); u.m = f16(b + 2); }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
+    const __m256i s = dot32(u.q, load32(x.q + 32 * k));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+    minimum += u.m * (x.d[k] * static_cast<float>(x.sums[2 * k] + x.sums[2 * k + 1]));
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kElems = 32, kBytes = 22, kX = 32;
+  struct Unpacked { __m256i q; float d; };
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    u.q = _mm256_or_si256(nibbles32(b + 6), bits32_x10(b + 2));
+    u.d = f16(b);
+  }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
+    const int off = 16 * (x.sums[2 * k] + x.sums[2 * k + 1]);
+    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), _mm256_setr_epi32(off, 0, 0, 0, 0, 0, 0, 0));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+  }
+};
+
+struct Q5_1 {
+  static constexpr int kElems = 32, kBytes = 24, kX = 32;
+  struct Unpacked { __m256i q; float d, m; };
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    u.q = _mm256_or_si256(nibbles32(b + 8), bits32_x10(b + 4));
+    u.d = f16(b);
+    u.m = f16(b + 2);
+  }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
+    Q4_1::dot(reinterpret_cast<const Q4_1::Unpacked&>(u), x, k, acc, minimum);
+  }
+};
+static_assert(sizeof(Q5_1::Unpacked) == sizeof(Q4_1::Unpacked));
+
+struct Q8_0 {
+  static constexpr int kElems = 32, kBytes = 34, kX = 32;
+  struct Unpacked { __m256i abs, q; float d; };
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    u.q = load32(b + 2);
+    u.abs = _mm256_abs_epi8(u.q);  // -128 -> 0x80, read as the unsigned 128
+    u.d = f16(b);
+  }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
+    const __m256i s = dot32(u.abs, _mm256_sign_epi8(load32(x.q + 32 * k), u.q));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+  }
+};
+
+// Q4_K / Q5_K's 8 sub-blocks: 6-bit scales and mins packed in 12 bytes q (ggml's
+// get_scale_min_k4), from the block's first 16 bytes a (d, dmin, q) by two byte shuffles into
+// [scale 0..7 | min 0..7]. j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4: scale
+// (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. The 16-bit
+// shifts spill bits between bytes only where the masks drop them.
+inline __m128i k_scale_bytes(__m128i a) {
+  const __m128i low = _mm_shuffle_epi8(a, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                        12, 13, 14, 15));
+  const __m128i m6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i min47 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+  const __m128i lo = _mm_and_si128(_mm_blendv_epi8(low, _mm_srli_epi16(low, 4), min47), m6);
+  const __m128i top = _mm_shuffle_epi8(a, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1,
+                                                        8, 9, 10, 11));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+  return _mm_or_si128(lo, hi);
+}
+
+// the scales as int16 sc[8], the mins as 16 int16 (each twice: one per 16 codes' sum)
+inline void k_scales(const uint8_t* b, int16_t* sc, __m256i& mins) {
+  const __m128i k = k_scale_bytes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), _mm_cvtepu8_epi16(k));
+  const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(k, 8));
+  mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+}
+
+template <bool kFive>
+struct QK {  // Q4_K (kFive false) and Q5_K: (d * sc_j) * q - dmin * m_j per 32 weights
+  static constexpr int kElems = 256, kBytes = kFive ? 176 : 144, kX = 256;
+  struct Unpacked { __m256i q[8]; __m256i mins; int16_t sc[8]; float d, dmin; };
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    k_scales(b, u.sc, u.mins);
+    u.d = f16(b);
+    u.dmin = f16(b + 2);
+    const uint8_t* qs = b + (kFive ? 48 : 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load32(qs + 32 * i);
+      u.q[2 * i] = and8(v, 15);
+      u.q[2 * i + 1] = and8(_mm256_srli_epi16(v, 4), 15);
+    }
+    if constexpr (kFive) {  // bit j of qh[l]: the fifth bit of sub-block j's weight l
+      const __m256i h = load32(b + 16);
+      u.q[0] = _mm256_or_si256(u.q[0], and8(_mm256_slli_epi16(h, 4), 0x10));
+      u.q[1] = _mm256_or_si256(u.q[1], and8(_mm256_slli_epi16(h, 3), 0x10));
+      u.q[2] = _mm256_or_si256(u.q[2], and8(_mm256_slli_epi16(h, 2), 0x10));
+      u.q[3] = _mm256_or_si256(u.q[3], and8(_mm256_slli_epi16(h, 1), 0x10));
+      u.q[4] = _mm256_or_si256(u.q[4], and8(h, 0x10));
+      u.q[5] = _mm256_or_si256(u.q[5], and8(_mm256_srli_epi16(h, 1), 0x10));
+      u.q[6] = _mm256_or_si256(u.q[6], and8(_mm256_srli_epi16(h, 2), 0x10));
+      u.q[7] = _mm256_or_si256(u.q[7], and8(_mm256_srli_epi16(h, 3), 0x10));
+    }
+  }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
+    const int8_t* q = x.q + 256 * k;
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j)
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[j], load32(q + 32 * j)),
+                                                _mm256_set1_epi16(u.sc[j])));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+    const __m256i msum = _mm256_madd_epi16(u.mins, load32(x.sums + 16 * k));
+    acc = _mm256_fnmadd_ps(_mm256_set1_ps(u.dmin * x.d[k]), _mm256_cvtepi32_ps(msum), acc);
+  }
+};
+
+struct Q6_K {  // (d * sc_j) * ((ql | qh << 4) - 32), a scale per 16 weights
+  static constexpr int kElems = 256, kBytes = 210, kX = 256;
+  struct Unpacked { __m256i q[8]; __m256i sc16; int16_t sc[16]; float d; };
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    for (int h = 0; h < 2; ++h) {  // weight 128 h + 32 t + l
+      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32);
+      const __m256i hi = load32(b + 128 + 32 * h);
+      u.q[4 * h + 0] = _mm256_or_si256(and8(l0, 15), and8(_mm256_slli_epi16(hi, 4), 0x30));
+      u.q[4 * h + 1] = _mm256_or_si256(and8(l1, 15), and8(_mm256_slli_epi16(hi, 2), 0x30));
+      u.q[4 * h + 2] = _mm256_or_si256(and8(_mm256_srli_epi16(l0, 4), 15), and8(hi, 0x30));
+      u.q[4 * h + 3] = _mm256_or_si256(and8(_mm256_srli_epi16(l1, 4), 15),
+                                       and8(_mm256_srli_epi16(hi, 2), 0x30));
+    }
+    u.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u.sc), u.sc16);
+    u.d = f16(b + 208);
+  }
+  static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
+    const int8_t* q = x.q + 256 * k;
+    // the offset: 32 * sum_j sc_j * bsum_j, in the integers
+    __m256i s = _mm256_slli_epi32(_mm256_madd_epi16(u.sc16, load32(x.sums + 16 * k)), 5);
+    s = _mm256_sub_epi32(_mm256_setzero_si256(), s);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * j + 1]), _mm_set1_epi16(u.sc[2 * j]));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[j], load32(q + 32 * j)), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+  }
+};
+
+// Weight rows [r0, r1) times the n quantized rows of x: out[i * stride + r] (+ bias[r]).
+template <class T>
+void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& xq, int64_t n,
+              const float* bias, int64_t stride, int64_t r0, int64_t r1, float* out) {
+  const int64_t nb = cols / T::kElems;
+  XRow xr[kMaxRows];
+  for (int64_t i = 0; i < n; ++i)
+    xr[i] = {xq.q.data() + i * cols, xq.d.data() + i * (cols / T::kX),
+             xq.sums.data() + i * (cols / 16)};
+  typename T::Unpacked u;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m256 acc[kMaxRows];
+    float minimum[kMaxRows];
+    for (int64_t i = 0; i < n; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      minimum[i] = 0.0f;
+    }
+    for (int64_t k = 0; k < nb; ++k) {
+      T::unpack(row + k * T::kBytes, u);
+      if (n == 1) {
+        T::dot(u, xr[0], k, acc[0], minimum[0]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) T::dot(u, xr[i], k, acc[i], minimum[i]);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      float v = hsum(acc[i]) + minimum[i];
+      if (bias != nullptr) v += bias[r];
+      out[i * stride + r] = v;
+    }
+  }
+}
+
+template <class F>
+void dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case 2: return f(Q4_0{});
+    case 3: return f(Q4_1{});
+    case 6: return f(Q5_0{});
+    case 7: return f(Q5_1{});
+    case 8: return f(Q8_0{});
+    case 12: return f(QK<false>{});
+    case 13: return f(QK<true>{});
+    case 14: return f(Q6_K{});
+    default:
+      TORCH_CHECK(false, "ragblend_q8: unsupported ggml type ", qtype,
+                  " (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14)");
+  }
+}
+
+template <class T>
+void check_blocks(const at::Tensor& blocks, int64_t cols) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous(),
+              "matmul_int8: blocks must be a contiguous 2-D uint8 CPU tensor [rows, row_bytes]");
+  TORCH_CHECK(cols > 0 && cols % T::kElems == 0, "matmul_int8: cols (", cols,
+              ") must be a positive multiple of the type's block of ", T::kElems, " weights");
+  TORCH_CHECK(blocks.size(1) == cols / T::kElems * T::kBytes, "matmul_int8: rows of ",
+              blocks.size(1), " bytes, expected ", cols / T::kElems * T::kBytes);
+}
+
+struct Part {
+  int64_t rows;
+  std::function<void(int64_t, int64_t)> run;
+};
+
+// x @ [W_0; W_1; ...].T (+ each one's bias) in 8-bit activations: [n, sum of rows] float32.
+at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes,
+                      int64_t cols, const c10::List<std::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "matmul_int8: x must be a contiguous 2-D float32 CPU tensor [n, cols]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "matmul_int8: x has ", x.size(0),
+              " rows; expected 1 to ", kMaxRows);
+  TORCH_CHECK(x.size(1) == cols && cols % 32 == 0, "matmul_int8: x has ", x.size(1),
+              " columns, expected ", cols, " (a multiple of 32)");
+  TORCH_CHECK(!blocks.empty() && qtypes.size() == blocks.size() && biases.size() == blocks.size(),
+              "matmul_int8: one qtype and one bias (or None) per weight, and at least one weight");
+  const int64_t n = x.size(0);
+  int64_t total = 0;
+  for (const at::Tensor& b : blocks) total += b.dim() == 2 ? b.size(0) : 0;
+  at::Tensor out = at::empty({n, total}, x.options());
+  XQuant x32, x256;  // made when a weight needs them
+  std::vector<Part> parts;
+  std::vector<at::Tensor> keep;
+  int64_t offset = 0;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    dispatch(qtypes[k], [&](auto type) {
+      using T = decltype(type);
+      check_blocks<T>(blocks[k], cols);
+      XQuant& xq = T::kX == 32 ? x32 : x256;
+      if (xq.block == 0) xq = quantize_x(x.const_data_ptr<float>(), n, cols, T::kX);
+      const XQuant* xp = &xq;
+      const int64_t rows = blocks[k].size(0), row_bytes = blocks[k].size(1);
+      const float* bias = nullptr;
+      if (biases.get(k).has_value()) {
+        const at::Tensor& b = *biases.get(k);
+        TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == rows &&
+                        b.is_contiguous(),
+                    "matmul_int8: bias must be a contiguous float32 [rows] tensor");
+        keep.push_back(b);
+        bias = b.const_data_ptr<float>();
+      }
+      const uint8_t* w = blocks[k].const_data_ptr<uint8_t>();
+      float* o = out.data_ptr<float>() + offset;
+      parts.push_back({rows, [=](int64_t r0, int64_t r1) {
+                         rows_dot<T>(w, row_bytes, cols, *xp, n, bias, total, r0, r1, o);
+                       }});
+      offset += rows;
+    });
+  }
+  std::vector<std::pair<size_t, int64_t>> tasks;
+  for (size_t k = 0; k < parts.size(); ++k)
+    for (int64_t r0 = 0; r0 < parts[k].rows; r0 += kTask) tasks.emplace_back(k, r0);
+  for_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Part& part = parts[tasks[t].first];
+    part.run(tasks[t].second, std::min(part.rows, tasks[t].second + kTask));
+  });
+  return out;
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t cols,
+                  const std::optional<at::Tensor>& bias) {
+  c10::List<std::optional<at::Tensor>> biases;
+  biases.push_back(bias);
+  return matmul_cat(x, {blocks}, {qtype}, cols, biases);
+}
+
+// x quantized as the kernels quantize it, for the tests: (codes int8 [n, cols], d float32
+// [n, cols / block], sums int16 [n, cols / 16])
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  (block == 32 || block == 256) && x.size(1) % block == 0,
+              "quantize: x must be contiguous float32 [n, cols], block 32 or 256 dividing cols");
+  const int64_t n = x.size(0), cols = x.size(1);
+  XQuant xq = quantize_x(x.const_data_ptr<float>(), n, cols, block);
+  at::Tensor q = at::empty({n, cols}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({n, cols / block}, x.options());
+  at::Tensor s = at::empty({n, cols / 16}, x.options().dtype(at::kShort));
+  std::memcpy(q.data_ptr(), xq.q.data(), xq.q.size());
+  std::memcpy(d.data_ptr(), xq.d.data(), xq.d.size() * sizeof(float));
+  std::memcpy(s.data_ptr(), xq.sums.data(), xq.sums.size() * sizeof(int16_t));
+  return {q, d, s};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ragblend_q8, m) {
+  m.def("matmul(Tensor x, Tensor blocks, int qtype, int cols, Tensor? bias) -> Tensor");
+  m.def(
+      "matmul_cat(Tensor x, Tensor[] blocks, int[] qtypes, int cols, Tensor?[] biases) -> "
+      "Tensor");
+  m.def("quantize(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ragblend_q8, CPU, m) {
+  m.impl("matmul", &matmul);
+  m.impl("matmul_cat", &matmul_cat);
+  m.impl("quantize", &quantize);
+}
