@@ -38,7 +38,7 @@ from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
 from ragblend.models.packed import is_packed, pack_decode_linears
-from ragblend.models.quantized import decode_path
+from ragblend.models.quantized import decode_activations_for, decode_path
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
@@ -86,6 +86,7 @@ class BlendEngine:
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
         self._native: NativeKernels | None | object = _UNRESOLVED
+        self._decode_activations: str | None = None  # resolved on first use
         if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
             self._native = self._native_kernels(self.config)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
@@ -143,6 +144,8 @@ class BlendEngine:
             view.selector = selector
         else:
             view.selector = make_selector(view.config)
+        if view.config.decode_activations != self.config.decode_activations:
+            view._decode_activations = None
         if view.config.row_attention != self.config.row_attention:
             view._native = _UNRESOLVED
             if view.config.row_attention == "native":
@@ -478,7 +481,15 @@ class BlendEngine:
             return self._prefill(prompt, mode, ratio)
 
         decode = Decoder(
-            self.model, self.tokenizer, self.eos_ids, params, max_new, self.layers, self.native
+            self.model,
+            self.tokenizer,
+            self.eos_ids,
+            params,
+            max_new,
+            self.layers,
+            self.native,
+            self.config.kv_cache_dtype,
+            self.decode_activations,
         )
         return decode.stream(prefill, self._lock, started, self.prepare_decode)
 
@@ -513,26 +524,46 @@ class BlendEngine:
     def prepare_decode(self) -> None:
         """Call before decoding outside :meth:`generate` / :meth:`stream` (which call it):
         decode-step linears on prepacked weights where the copy fits (``config.packed_decode``;
-        once per model). Not at start-up: engines that only precompute (warmup jobs, Ray
-        actors) never pay its time or the weights' second copy."""
+        once per model), and a GGUF's kept-quantized linears set to
+        ``config.decode_activations`` (:attr:`decode_activations` says what they use). Not at
+        start-up: engines that only precompute (warmup jobs, Ray actors) never pay its time,
+        the weights' second copy or a kernel build."""
         if self.config.packed_decode:
             pack_decode_linears(self.model)
+        self.decode_activations  # noqa: B018 (resolved now: the int8 kernels built, or not)
+
+    @property
+    def decode_activations(self) -> str:
+        """What this engine's decode steps multiply a GGUF's quantized weights by: ``"int8"``
+        (llama.cpp's 8-bit activations: ``config.decode_activations`` resolved for this CPU,
+        the kernels built and checked on first use) or ``"float"`` (exact; also for dense
+        models)."""
+        if self._decode_activations is None:
+            self._decode_activations = decode_activations_for(
+                self.model, self.config.decode_activations
+            )
+        return self._decode_activations
 
     def decoder(self, prefill: Prefill, max_new_tokens: int) -> LayerDecoder | HFDecoder:
         """A decoder after ``prefill`` with room for ``max_new_tokens`` (its ``step(token)``
         gives the next logits; a :class:`LayerDecoder` also batches with others through
-        ``ragblend.layer_decode.decode_batch``). ``prefill`` is left as it is. Call
+        ``ragblend.layer_decode.decode_batch``; its K/V cache stored as
+        ``config.kv_cache_dtype`` says). ``prefill`` is left as it is. Call
         :meth:`prepare_decode` once first."""
         total = len(prefill.prompt_ids) + max_new_tokens
-        return decoder_for(self.model, self.layers, prefill, total, self.native)
+        kv, activations = self.config.kv_cache_dtype, self.decode_activations
+        return decoder_for(self.model, self.layers, prefill, total, self.native, kv, activations)
 
     @property
     def decode_path(self) -> str:
         """What a decode step's linears read: ``"q4_1-native"`` (quantized blocks, the model's
-        most common type), ``"fp32-packed"`` / ``"bf16-packed"`` (once a decode has packed the
-        linears: fp32 on oneDNN-prepacked weights, bf16 on the native bf16 matmul or oneDNN's
-        one-row path, :mod:`ragblend.models.packed`) or the plain dtype (``"fp32"``)."""
+        most common type; ``"q4_1-int8"`` with 8-bit activations), ``"fp32-packed"`` /
+        ``"bf16-packed"`` (once a decode has packed the linears: fp32 on oneDNN-prepacked
+        weights, bf16 on the native bf16 matmul or oneDNN's one-row path,
+        :mod:`ragblend.models.packed`) or the plain dtype (``"fp32"``)."""
         quantized = decode_path(self.model)
+        if quantized is not None and self.decode_activations == "int8":
+            return quantized.replace("-native", "-int8")
         if quantized is not None:
             return quantized
         name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -546,13 +577,23 @@ class BlendEngine:
         self.prepare_decode()
         greedy = SamplingParams()
         ids = decode_tokens(
-            self.model, pre, greedy, max_new_tokens, self.eos_ids, self.layers, self.native
+            self.model,
+            pre,
+            greedy,
+            max_new_tokens,
+            self.eos_ids,
+            self.layers,
+            self.native,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            activations=self.decode_activations,
         )
         return list(ids)
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
-        return teacher_forced_logits(self.model, prefill, answer_ids)
+        """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt (a
+        GGUF's quantized linears multiplying as this engine's decode steps do:
+        :attr:`decode_activations`)."""
+        return teacher_forced_logits(self.model, prefill, answer_ids, self.decode_activations)
 
 
 _UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for

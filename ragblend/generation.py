@@ -12,6 +12,7 @@ onto every layer's K/V (``DynamicCache`` copies the whole context per token).
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterator
@@ -23,6 +24,7 @@ import torch
 from ragblend.bridge import aiter_in_thread
 from ragblend.decoding import DecodeState, decode_steps
 from ragblend.layer_decode import LayerDecoder
+from ragblend.models.int8_decode import step_activations
 from ragblend.sampling import Sampler as Sampler
 from ragblend.sampling import SamplingParams as SamplingParams
 
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 
     from ragblend.fusion.native import NativeKernels
     from ragblend.models.adapters import LayerwiseModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,12 +124,15 @@ def decode_tokens(
     eos_ids: Collection[int],
     layers: LayerwiseModel | None = None,
     kernels: NativeKernels | None = None,
+    *,
+    kv_cache_dtype: str = "auto",
+    activations: str = "float",
 ) -> Iterator[int]:
     """Yield generated token ids after ``prefill`` (EOS excluded); updates ``prefill.stats``.
 
     The ids-only form of the decode loop (:mod:`ragblend.decoding`, no text).
     ``prefill.cache`` is not modified: decoding runs in a cache of its own
-    (:func:`decoder_for`).
+    (:func:`decoder_for`, with ``kv_cache_dtype`` and ``activations``).
     """
     stats = prefill.stats
     stats.finish_reason = "length"
@@ -133,7 +140,7 @@ def decode_tokens(
     if state.done:
         return
     total = len(prefill.prompt_ids) + max_new_tokens
-    decoder = decoder_for(model, layers, prefill, total, kernels)
+    decoder = decoder_for(model, layers, prefill, total, kernels, kv_cache_dtype, activations)
     kept = 0
     for _ in decode_steps(state, prefill.logits, decoder.step):
         stats.finish_reason = state.finish_reason or "length"
@@ -147,14 +154,17 @@ class HFDecoder:
     """Decoding through HF's forward over :func:`decode_cache`, where no
     :class:`LayerDecoder` applies; the same ``step`` as one."""
 
-    def __init__(self, model: PreTrainedModel, prefill: Prefill, total_len: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, prefill: Prefill, total_len: int, activations: str = "float"
+    ) -> None:
         self.model = model
         self.device = prefill.logits.device if prefill.logits.is_cuda else model.device
         self.cache = decode_cache(model, prefill.cache, total_len)
+        self.activations = activations
 
     def step(self, token: int) -> torch.Tensor:
         """Feed ``token``; fp32 logits [vocab] of the next one."""
-        with torch.inference_mode():
+        with torch.inference_mode(), step_activations(self.activations):
             out = self.model(
                 input_ids=torch.tensor([[token]], device=self.device),
                 past_key_values=self.cache,
@@ -169,17 +179,34 @@ def decoder_for(
     prefill: Prefill,
     total_len: int,
     kernels: NativeKernels | None = None,
+    kv_cache_dtype: str = "auto",
+    activations: str = "float",
 ) -> LayerDecoder | HFDecoder:
     """A decoder after ``prefill`` with room for ``total_len`` tokens, in a cache of its own:
     given the model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token, on
-    ``kernels`` where given, batchable: ``decode_batch``); otherwise, or where that does not
-    apply, an :class:`HFDecoder`."""
+    ``kernels`` where given, its K/V cache stored as ``kv_cache_dtype`` says, batchable:
+    ``decode_batch``); otherwise, or where that does not apply, an :class:`HFDecoder`, whose
+    cache is HF's in the model's dtype whatever ``kv_cache_dtype`` says (one warning per
+    process where it says ``"int8"``). Either multiplies a GGUF's quantized weights by
+    ``activations`` (``"float"`` or ``"int8"``, resolved: ``BlendEngine.decode_activations``)."""
     if layers is not None:
         n = len(prefill.prompt_ids)
-        lean = LayerDecoder.for_cache(layers, prefill.cache, n, total_len, kernels)
+        lean = LayerDecoder.for_cache(
+            layers, prefill.cache, n, total_len, kernels, kv_cache_dtype, activations
+        )
         if lean is not None:
             return lean
-    return HFDecoder(model, prefill, total_len)
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in _WARNED_KV_CACHE:
+        _WARNED_KV_CACHE.add(kv_cache_dtype)
+        log.warning(
+            "kv_cache_dtype=%r applies to ragblend's layer-wise decoder only; this prompt's "
+            "cache decodes through HF's forward, with its K/V in the model's dtype",
+            kv_cache_dtype,
+        )
+    return HFDecoder(model, prefill, total_len, activations)
+
+
+_WARNED_KV_CACHE: set[str] = set()  # kv_cache_dtype values HFDecoder was asked for, warned of
 
 
 def decode_step(
@@ -188,9 +215,12 @@ def decode_step(
     prefill: Prefill,
     total_len: int,
     kernels: NativeKernels | None = None,
+    kv_cache_dtype: str = "auto",
+    activations: str = "float",
 ) -> Callable[[int], torch.Tensor]:
     """token → fp32 logits [vocab] of the next one (:func:`decoder_for`'s ``step``)."""
-    return decoder_for(model, layers, prefill, total_len, kernels).step
+    decoder = decoder_for(model, layers, prefill, total_len, kernels, kv_cache_dtype, activations)
+    return decoder.step
 
 
 class BlendStream:
@@ -241,10 +271,14 @@ class Decoder:
         max_new_tokens: int,
         layers: LayerwiseModel | None = None,
         kernels: NativeKernels | None = None,
+        kv_cache_dtype: str = "auto",
+        activations: str = "float",
     ) -> None:
         self.model = model
         self.layers = layers
         self.kernels = kernels
+        self.kv_cache_dtype = kv_cache_dtype
+        self.activations = activations
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.params = params
@@ -276,7 +310,15 @@ class Decoder:
                 try:
                     if not state.done:
                         total = len(pre.prompt_ids) + self.max_new_tokens
-                        decoder = decoder_for(self.model, self.layers, pre, total, self.kernels)
+                        decoder = decoder_for(
+                            self.model,
+                            self.layers,
+                            pre,
+                            total,
+                            self.kernels,
+                            self.kv_cache_dtype,
+                            self.activations,
+                        )
                         for delta in decode_steps(state, pre.logits, decoder.step):
                             if delta:
                                 yield delta
@@ -293,16 +335,26 @@ class Decoder:
 
 
 def teacher_forced_logits(
-    model: PreTrainedModel, prefill: Prefill, answer_ids: list[int]
+    model: PreTrainedModel, prefill: Prefill, answer_ids: list[int], activations: str = "float"
 ) -> torch.Tensor:
-    """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt."""
+    """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt.
+
+    ``activations="int8"``: the answer goes in pieces of at most 16 tokens inside an int8
+    decode step, so a GGUF's quantized linears multiply each row as an int8 decode step would
+    (their rows are quantized one by one: a row's product does not depend on the piece)."""
     rows = [prefill.logits.view(1, -1)]
     if len(answer_ids) > 1:
-        with torch.inference_mode():
-            out = model(
-                input_ids=torch.tensor([answer_ids[:-1]], device=prefill.logits.device),
-                past_key_values=copy.deepcopy(prefill.cache),
-                use_cache=True,
-            )
-        rows.append(out.logits[0].float())
+        fed = answer_ids[:-1]
+        piece = 16 if activations == "int8" else len(fed)
+        cache = copy.deepcopy(prefill.cache)
+        with torch.inference_mode(), step_activations(activations):
+            for start in range(0, len(fed), piece):
+                out = model(
+                    input_ids=torch.tensor(
+                        [fed[start : start + piece]], device=prefill.logits.device
+                    ),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                rows.append(out.logits[0].float())
     return torch.cat(rows, dim=0)

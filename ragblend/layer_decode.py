@@ -13,6 +13,13 @@ call that also writes their new K/V (:mod:`ragblend.fusion.decode_kernels`): bf1
 products for a bf16 model on a CPU at the ``avx512_bf16`` level, else the fp32 kernel (over a
 bf16 model's bf16 K/V, widened to fp32 as it is read; :func:`decode_attention`); elsewhere,
 torch's ops per request.
+
+With ``kv_cache_dtype="int8"`` the decode buffers hold 8-bit codes with scales instead
+(:func:`ragblend.fusion.decode_q8.quantize_q8`: llama.cpp's q8_0, one fp32 scale per 32
+values along the head dim), the prompt's K/V quantized once when the decoder is made and each
+new token's as it is written; a step attends in fp32 over the dequantized values, through the
+native AVX2 kernel (``csrc/decode_attention_int8.cpp``) or, where it does not run, SDPA per
+request (:func:`ragblend.fusion.decode_q8.attend_q8_torch`).
 """
 
 from __future__ import annotations
@@ -23,8 +30,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ragblend.config import KV_CACHE_DTYPES
+from ragblend.errors import RagblendError
+from ragblend.fusion.decode_q8 import int8_attention, q8_buffer
 from ragblend.fusion.native import DecodeKernel, NativeKernels, native_kernels
 from ragblend.models.adapters import LayerwiseModel
+from ragblend.models.int8_decode import step_activations
 
 
 class DecodeAttention(NamedTuple):
@@ -42,6 +53,16 @@ class LayerDecoder:
     the prompt's cache up to ``position`` (a sliding-window layer's cache holds only the last
     tokens before it: what the window reads). The prompt cache itself is never modified.
     ``kernels``: ragblend's native CPU kernels to step with (see the module docstring).
+
+    ``kv_cache_dtype="int8"``: ``keys[i]`` / ``values[i]`` are int8 codes of that shape and
+    ``key_scales[i]`` / ``value_scales[i]`` their fp32 scales [1, kv_heads, capacity,
+    head_dim / block] (block: 32, or head_dim where 32 does not divide it; see
+    :func:`ragblend.fusion.decode_q8.quantize_q8`), ``attend_q8`` the attention that
+    reads them. ``"auto"``: the prompt cache's dtype, scales empty.
+
+    ``activations``: what a step multiplies a GGUF's quantized weights by, a resolved
+    ``BlendConfig.decode_activations`` (``"float"`` or ``"int8"``:
+    :func:`ragblend.models.int8_decode.step_activations`).
     """
 
     def __init__(
@@ -51,15 +72,38 @@ class LayerDecoder:
         capacity: int,
         position: int | None = None,
         kernels: NativeKernels | None = None,
+        kv_cache_dtype: str = "auto",
+        activations: str = "float",
     ):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise RagblendError(
+                f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         self.layers = layers
         self.kernels = kernels
+        self.kv_cache_dtype = kv_cache_dtype
+        self.activations = activations
         self.attend = decode_attention(layers, kernels)
         self.position = (
             max(int(k.shape[-2]) for k, _ in prompt_kv) if position is None else position
         )
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.key_scales: list[torch.Tensor] = []
+        self.value_scales: list[torch.Tensor] = []
+        self.capacity = capacity
+        if kv_cache_dtype == "int8":
+            self.attend_q8 = int8_attention(layers, kernels)
+            for k, v in prompt_kv:
+                for buffers, scales, x in (
+                    (self.keys, self.key_scales, k),
+                    (self.values, self.value_scales, v),
+                ):
+                    codes, s = q8_buffer(x, capacity, self.position)
+                    buffers.append(codes)
+                    scales.append(s)
+            return
         p = self.position
         for k, v in prompt_kv:
             kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
@@ -68,7 +112,6 @@ class LayerDecoder:
             vb[..., p - v.shape[-2] : p, :].copy_(v)
             self.keys.append(kb)
             self.values.append(vb)
-        self.capacity = capacity
 
     @classmethod
     def for_cache(
@@ -78,6 +121,8 @@ class LayerDecoder:
         prompt_len: int,
         total_len: int,
         kernels: NativeKernels | None = None,
+        kv_cache_dtype: str = "auto",
+        activations: str = "float",
     ) -> LayerDecoder | None:
         """A decoder over ``prompt_cache`` (an HF cache of ``prompt_len`` tokens) with room
         for ``total_len`` tokens, or None where it does not apply: a layer whose cache holds
@@ -96,7 +141,7 @@ class LayerDecoder:
             if k is None or v is None or k.shape[-2] != held or v.shape[-2] != held:
                 return None
             kv.append((k, v))
-        return cls(layers, kv, total_len, prompt_len, kernels)
+        return cls(layers, kv, total_len, prompt_len, kernels, kv_cache_dtype, activations)
 
     def step(self, token: int) -> torch.Tensor:
         """Feed ``token`` at the next position; fp32 logits [vocab] for the one after it."""
@@ -111,11 +156,29 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
     The B new tokens go through every norm, projection and MLP as one [1, B, D] batch (one
     GEMM per linear for all requests, each row with its own RoPE position); attention runs
     per request, its one query row over its own preallocated K/V. With one decoder this is
-    exactly :meth:`LayerDecoder.step`. All decoders must share one ``LayerwiseModel`` (and
-    the kernels of the first are used for all).
+    exactly :meth:`LayerDecoder.step`. All decoders must share one ``LayerwiseModel`` and one
+    ``kv_cache_dtype`` and one ``activations`` (a RagblendError otherwise); the kernels of the
+    first are used for all.
     """
+    numerics = sorted({d.activations for d in decoders})
+    if len(numerics) > 1:
+        raise RagblendError(
+            "decode_batch needs decoders of one decode_activations, got a batch mixing "
+            + " and ".join(numerics)
+        )
+    with step_activations(numerics[0] if numerics else "float"):
+        return _decode_batch(decoders, tokens)
+
+
+def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> torch.Tensor:
     if not decoders or len(decoders) != len(tokens):
         raise ValueError("decode_batch needs one token per decoder, and at least one")
+    cache_dtypes = sorted({d.kv_cache_dtype for d in decoders})
+    if len(cache_dtypes) > 1:
+        raise RagblendError(
+            "decode_batch needs decoders of one kv_cache_dtype, got a batch mixing "
+            + " and ".join(cache_dtypes)
+        )
     m = decoders[0].layers
     for d in decoders:
         if d.position >= d.capacity:
@@ -135,7 +198,9 @@ def decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> tor
         cos, sin = ropes[group]
         proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm)
         window = m.sliding_window(i)
-        if attend is not None:
+        if cache_dtypes[0] == "int8":
+            out = _attend_q8(decoders, i, positions, proj.q, proj.k, proj.v, window, m.scaling(i))
+        elif attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]
             kv_dtype = keys[0].dtype
@@ -198,3 +263,30 @@ def _attend_each(
         )
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).reshape(1, len(outs), -1)
+
+
+def _attend_q8(
+    decoders: Sequence[LayerDecoder],
+    layer: int,
+    positions: list[int],
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Layer ``layer``'s attention over int8 caches (the first decoder's ``attend_q8``), in
+    fp32: q [1, H, B, d], k_new, v_new [1, Hkv, B, d] → [1, B, H*d] in q's dtype."""
+    out = decoders[0].attend_q8(
+        q.float(),
+        k_new.float(),
+        v_new.float(),
+        [d.keys[layer] for d in decoders],
+        [d.key_scales[layer] for d in decoders],
+        [d.values[layer] for d in decoders],
+        [d.value_scales[layer] for d in decoders],
+        positions,
+        window or 0,
+        scale,
+    )
+    return out.to(q.dtype)

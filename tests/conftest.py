@@ -25,10 +25,12 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def embedded_engine():
-    """The embedded SmolLM2-135M-Instruct engine (RAM store, fp32: the tight-tolerance gates)."""
+    """The embedded SmolLM2-135M-Instruct engine (RAM store, fp32, exact decode activations:
+    the tight-tolerance gates)."""
     from ragblend import BlendConfig, BlendEngine
 
-    return BlendEngine.from_pretrained("embedded", config=BlendConfig(dtype="float32"))
+    config = BlendConfig(dtype="float32", decode_activations="float")
+    return BlendEngine.from_pretrained("embedded", config=config)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from ragblend.bench.metrics import best_f1, f1_score, kl_divergence, normalize_a
 from ragblend.cli import main
 from ragblend.errors import RagblendError
 from ragblend.models.dtype import resolve_dtype
+from ragblend.models.int8_decode import int8_kernels, resolve
 
 MODE_KEYS = {
     "ttft_ms_median",
@@ -103,7 +104,12 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     assert settings["top_k"] == 2 and settings["n"] == 1 and settings["tier"] == "ram"
     # the embedded GGUF's Q4_1 / Q8_0 tensors are kept: decode steps read the Q4_1 blocks
     assert settings["weights"] == "quantized"
-    assert settings["decode_path"] in ("q4_1-native", "q4_1-dequantize")
+    # with 8-bit activations where this CPU level's auto picks them (or the kernels cannot run)
+    runs = int8_kernels() is not None
+    assert settings["decode_activations"] == (resolve("auto") if runs else "float")
+    kind = "int8" if settings["decode_activations"] == "int8" else "native"
+    assert settings["decode_path"] in (f"q4_1-{kind}", "q4_1-dequantize")
+    assert settings["kv_cache_dtype"] == "auto"
     assert 50e6 < settings["weight_bytes"] < 1.2e9  # blocks (+ a dense copy for prefills)
     # dtype "auto" is recorded resolved ("bfloat16" on AMX/AVX512-BF16 CPUs, else "float32").
     assert settings["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")

@@ -11,14 +11,19 @@ import torch
 
 from ragblend import cpu
 from ragblend.models import int8_decode, int8_reference
-from ragblend.models.int8_decode import AUTO_BY_LEVEL, decode_step, int8_kernels, resolve
+from ragblend.models.int8_decode import AUTO_BY_LEVEL, int8_kernels, resolve, step_activations
 from ragblend.models.quant_kernels import (
     QUANT_TYPES,
     dequantize_reference,
     quant_kernels,
     random_blocks,
 )
-from ragblend.models.quantized import QuantizedWeight, QuantLinear, fused_matmul
+from ragblend.models.quantized import (
+    QuantizedWeight,
+    QuantLinear,
+    decode_activations_for,
+    fused_matmul,
+)
 
 needs_kernels = pytest.mark.skipif(
     not cpu.isa_at_least(int8_decode.LEVEL), reason="the int8 kernels need AVX2"
@@ -172,9 +177,9 @@ def test_only_an_int8_decode_step_takes_the_int8_kernels():
     int8 = kernels.matmul(x[0], layer.qweight.blocks, 12, 512, layer.bias.detach())
     with torch.inference_mode():
         assert torch.equal(layer(x)[0], exact)  # outside a decode step
-        with decode_step("float"):
+        with step_activations("float"):
             assert torch.equal(layer(x)[0], exact)
-        with decode_step("int8"):
+        with step_activations("int8"):
             assert torch.equal(layer(x)[0], int8)
             long = _x(20, 512, 10)  # more rows than a decode step: the prefill's F.linear
             dense = torch.nn.functional.linear(long, layer.qweight.dequantize(torch.float32))
@@ -188,7 +193,7 @@ def test_fused_projections_take_the_int8_kernels_in_an_int8_step():
     call = fused_matmul(layers)
     assert call is not None
     x = _x(2, 512, 11)
-    with torch.inference_mode(), decode_step("int8"):
+    with torch.inference_mode(), step_activations("int8"):
         fused = call(x)
         alone = [layer(x) for layer in layers]
     for got, want in zip(fused, alone):
@@ -205,8 +210,57 @@ def test_where_the_kernels_cannot_run_int8_decodes_in_float_with_a_warning(monke
     monkeypatch.setattr(cpu, "isa_at_least", lambda level: False)
     model = nn.Sequential(_linear())
     with caplog.at_level(logging.WARNING, logger="ragblend.models.int8_decode"):
-        assert int8_decode.decode_activations_for(model, "int8") == "float"
-        assert int8_decode.decode_activations_for(model, "int8") == "float"
+        assert decode_activations_for(model, "int8") == "float"
+        assert decode_activations_for(model, "int8") == "float"
     assert sum("8-bit decode activations are off" in r.message for r in caplog.records) == 1
-    assert int8_decode.decode_activations_for(model, "auto") == "float"  # baseline: float
-    assert int8_decode.decode_activations_for(nn.Linear(4, 4), "int8") == "float"  # dense
+    assert decode_activations_for(model, "auto") == "float"  # baseline: float
+    assert decode_activations_for(nn.Linear(4, 4), "int8") == "float"  # dense
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """A tiny Llama GGUF with every kernel type on some matrix (test_quantized_model's mix)."""
+    from conftest import tiny_model
+    from gguf_files import write_gguf
+    from test_quantized_model import MIX, SIZES
+
+    monkeypatch.setenv("RAGBLEND_HOME", str(tmp_path / "home"))
+    return write_gguf(tiny_model("llama", **SIZES), "llama", tmp_path / "llama.gguf", quant=MIX)
+
+
+@needs_kernels
+def test_an_int8_engine_decodes_near_float_and_prefills_exactly(tiny_gguf):
+    from conftest import CHUNKS, QUESTION
+
+    from ragblend import BlendConfig, BlendEngine
+    from ragblend.errors import RagblendError
+    from ragblend.layer_decode import decode_batch
+
+    engine = BlendEngine.from_pretrained(
+        str(tiny_gguf), config=BlendConfig(dtype="float32", decode_activations="int8")
+    )
+    exact = engine.with_config(decode_activations="float")
+    for view in (engine, exact):
+        view.prepare_decode()
+    assert (engine.decode_activations, exact.decode_activations) == ("int8", "float")
+    assert engine.decode_path.endswith("-int8") and exact.decode_path.endswith("-native")
+    prompts = [engine.tokenize(QUESTION, CHUNKS[:n]).ids for n in (1, 2, 3)]
+    prefills = [engine.full_prefill(ids) for ids in prompts]
+    again = exact.full_prefill(prompts[0])
+    assert torch.equal(prefills[0].logits, again.logits)  # prefill: the exact path either way
+    tokens = [int(p.logits.argmax()) for p in prefills]
+    int8 = [engine.decoder(p, 4) for p in prefills]
+    batched = decode_batch(int8, tokens)
+    for i, prefill in enumerate(prefills):
+        alone = engine.decoder(prefill, 4).step(tokens[i])
+        assert torch.equal(alone, batched[i])  # a request's int8 step: the same in a batch
+        floats = exact.decoder(prefill, 4).step(tokens[i])
+        assert not torch.equal(alone, floats)
+        kl = torch.nn.functional.kl_div(
+            alone.log_softmax(-1), floats.log_softmax(-1), log_target=True, reduction="sum"
+        )
+        assert float(kl) < 0.05  # random tiny weights: a loose bound; measured on real ones
+    with pytest.raises(RagblendError, match="decode_activations"):
+        decode_batch([int8[0], exact.decoder(prefills[1], 4)], tokens[:2])
+    result = engine.generate(QUESTION, CHUNKS, max_new_tokens=3)
+    assert result.token_ids

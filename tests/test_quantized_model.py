@@ -95,7 +95,8 @@ def test_blend_at_ratio_one_on_kept_blocks_is_full_prefill(family, tmp_path):
     for mode in ("full", "prefix", "reuse", "blend"):
         result = engine.generate(QUESTION, CHUNKS, mode=mode, max_new_tokens=4)
         assert result.stats.mode == mode
-    assert engine.decode_path.endswith("-native" if quant_kernels() else "-dequantize")
+    kind = "-int8" if engine.decode_activations == "int8" else "-native"
+    assert engine.decode_path.endswith(kind if quant_kernels() else "-dequantize")
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="the quantized kernels do not run on this CPU")

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ragblend import cpu
-from ragblend.config import KV_DTYPES, MODES, NEIGHBOUR_CONTEXTS, PRECOMPUTE_CONTEXTS, BlendConfig
+from ragblend.config import (
+    DECODE_ACTIVATIONS,
+    KV_CACHE_DTYPES,
+    KV_DTYPES,
+    MODES,
+    NEIGHBOUR_CONTEXTS,
+    PRECOMPUTE_CONTEXTS,
+    BlendConfig,
+)
 from ragblend.fusion.native import ROW_ATTENTION
 from ragblend.models.gguf import WEIGHTS
 from ragblend.models.quantized import quantized_weights, weight_bytes
@@ -69,6 +77,19 @@ def add_parser(sub) -> None:
         help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the decode-time K/V cache: auto (default: the model's dtype) or int8",
+    )
+    p.add_argument(
+        "--decode-activations",
+        choices=DECODE_ACTIVATIONS,
+        default=None,
+        help="what decode steps multiply a GGUF's quantized weights by: float (exact), int8 "
+        "(llama.cpp's 8-bit activations) or auto (default: per CPU level)",
+    )
+    p.add_argument(
         "--precompute-context",
         choices=PRECOMPUTE_CONTEXTS,
         default=None,
@@ -124,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["selector"] = args.selector
     if args.kv_dtype:
         overrides["kv_dtype"] = args.kv_dtype
+    if args.kv_cache_dtype:
+        overrides["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.decode_activations:
+        overrides["decode_activations"] = args.decode_activations
     if args.namespace:
         overrides["namespace"] = args.namespace
     if args.precompute_context:
@@ -188,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         ),
         "tier": args.tier,
         "kv_dtype": engine.kv_dtype,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "decode_activations": engine.decode_activations,
         "kv_bytes_per_token": kv_bytes_per_token(
             engine.kv_dtype,
             engine.layers.num_layers,

@@ -8,7 +8,7 @@ kernels (``vpmaddubsw`` / ``vpmaddwd``) — and keeps prefills on the exact path
 ``F.linear``). ``"float"`` is the exact path everywhere; ``"auto"`` picks per CPU level from
 :data:`AUTO_BY_LEVEL`, measured.
 
-Only decode steps use it: :func:`decode_step` marks the thread while one runs with the
+Only decode steps use it: :func:`step_activations` marks the thread while one runs with the
 decoder's setting (``ragblend.layer_decode.decode_batch`` and the HF-forward decoder enter it),
 and a :class:`~ragblend.models.quantized.QuantLinear` takes the int8 kernel only inside an int8
 step. The setting belongs to the decoder (an engine view's config), not to the model. The
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
@@ -130,8 +129,9 @@ def check(kernels: Int8Kernels) -> None:
         blocks = random_blocks(7, 512, qtype, gen)
         bias = torch.randn(7, generator=gen)
         got = kernels.matmul(x, blocks, qtype, 512, bias)
-        want = ref.matmul_reference(x, blocks, qtype, 512, bias)
-        if not bool(((got - want).abs() <= ref.term_bound(x, blocks, qtype, 512, bias)).all()):
+        expected = ref.matmul_reference(x, blocks, qtype, 512, bias)
+        bound = ref.term_bound(x, blocks, qtype, 512, bias)
+        if not bool(((got - expected).abs() <= bound).all()):
             raise RuntimeError(f"{name} int8 matmul does not match the integer reference")
         for i in range(x.shape[0]):
             if not torch.equal(kernels.matmul(x[i : i + 1], blocks, qtype, 512, bias)[0], got[i]):
@@ -149,7 +149,7 @@ _step = threading.local()
 
 
 @contextmanager
-def decode_step(activations: str = "float") -> Iterator[None]:
+def step_activations(activations: str = "float") -> Iterator[None]:
     """Marks this thread as running a decode step with ``activations`` (``"float"`` or
     ``"int8"``, a resolved setting) while inside: the quantized linears take the int8 kernels
     only inside an int8 step, so a prefill of a few rows keeps the exact path."""
@@ -162,18 +162,5 @@ def decode_step(activations: str = "float") -> Iterator[None]:
 
 
 def in_int8_step() -> bool:
-    """Whether this thread is inside an int8 :func:`decode_step`."""
+    """Whether this thread is inside :func:`step_activations` ``("int8")``."""
     return bool(getattr(_step, "int8", False))
-
-
-def decode_activations_for(model: nn.Module, mode: str) -> str:
-    """What ``model``'s decode steps use for ``mode`` (``"auto"``, ``"float"`` or
-    ``"int8"``): ``"int8"`` where it resolves to int8, the model has kept-quantized linears
-    and the kernels run here (else one warning, and ``"float"``); ``"float"`` otherwise."""
-    from ragblend.models.quantized import QuantLinear
-
-    if resolve(mode) != "int8":
-        return "float"
-    if not any(isinstance(m, QuantLinear) for m in model.modules()):
-        return "float"
-    return "int8" if int8_kernels() is not None else "float"

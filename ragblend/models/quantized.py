@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragblend.models.int8_decode import in_int8_step, int8_kernels
+from ragblend.models.int8_decode import in_int8_step, int8_kernels, resolve
 from ragblend.models.quant_kernels import (
     MAX_ROWS,
     QUANT_TYPES,
@@ -89,7 +89,7 @@ class QuantLinear(nn.Module):
     """``nn.Linear`` over a :class:`QuantizedWeight` (``bias`` in the compute dtype or None).
 
     ``dtype`` is the compute dtype: a prefill's dense weights and every output are in it.
-    Inside an int8 decode step (:func:`ragblend.models.int8_decode.decode_step`), inputs of up
+    Inside an int8 decode step (:func:`ragblend.models.int8_decode.step_activations`), inputs of up
     to :data:`MAX_ROWS` rows take llama.cpp's 8-bit-activation arithmetic instead."""
 
     def __init__(
@@ -232,3 +232,16 @@ def decode_path(model: nn.Module) -> str | None:
         return None
     kind = "native" if quant_kernels() is not None else "dequantize"
     return f"{max(counts, key=counts.__getitem__)}-{kind}"
+
+
+def decode_activations_for(model: nn.Module, mode: str) -> str:
+    """What ``model``'s decode steps use for ``BlendConfig.decode_activations`` ``mode``
+    (``"auto"``, ``"float"`` or ``"int8"``): ``"int8"`` where it resolves to int8
+    (:func:`ragblend.models.int8_decode.resolve`), the model has quantized linears and the
+    int8 kernels run here (else one warning per process, and ``"float"``); ``"float"``
+    otherwise."""
+    if resolve(mode) != "int8":
+        return "float"
+    if not any(isinstance(m, QuantLinear) for m in model.modules()):
+        return "float"
+    return "int8" if int8_kernels() is not None else "float"

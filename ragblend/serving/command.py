@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
 from ragblend.errors import RagblendError
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
@@ -49,6 +50,22 @@ def add_parser(sub) -> None:
         help="a GGUF's quantized tensors: auto (kept as blocks) or dequantize",
     )
     p.add_argument("--device", metavar="D", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--kv-cache-dtype",
+        metavar="T",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the decode-time K/V cache: auto (the model's dtype) or int8 (8-bit codes with "
+        "a scale per 32 values)",
+    )
+    p.add_argument(
+        "--decode-activations",
+        metavar="A",
+        default="auto",
+        choices=DECODE_ACTIVATIONS,
+        help="what decode steps multiply a GGUF's quantized weights by: float (exact), int8 "
+        "(llama.cpp's 8-bit activations) or auto (per CPU level)",
+    )
     p.add_argument(
         "--api-key",
         metavar="KEY",
@@ -150,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
         raise RagblendError(f"--timeout must be > 0, got {args.timeout}")
     warn_if_exposed(args.host, keys)
     config = BlendConfig(
-        device=args.device, dtype=args.dtype, weights=args.weights, namespace=args.namespace
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        namespace=args.namespace,
+        kv_cache_dtype=args.kv_cache_dtype,
+        decode_activations=args.decode_activations,
     )
     store = open_store(StoreFlags.of(args), ram_front=True)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, args.model) if n))

@@ -95,12 +95,15 @@ inline __m256i dot32(__m256i u, __m256i q) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
 }
 
-// x quantized for one block kind: codes [n, cols], d [n, cols / block], sums [n, cols / 16]
+// x quantized for one block kind: codes [n, cols], d [n, cols / block], sums [n, cols / 16];
+// for blocks of 32 also each block's sum (sum32) and d times it (dsum) [n, cols / 32]
 struct XQuant {
   int64_t block = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> sums;
+  std::vector<int32_t> sum32;
+  std::vector<float> dsum;
 };
 
 XQuant quantize_x(const float* x, int64_t n, int64_t cols, int64_t block) {
@@ -109,6 +112,8 @@ XQuant quantize_x(const float* x, int64_t n, int64_t cols, int64_t block) {
   out.q.resize(n * cols);
   out.d.resize(n * cols / block);
   out.sums.resize(n * cols / 16);
+  out.sum32.resize(n * cols / 32);  // filled for blocks of 32 only
+  out.dsum.resize(n * cols / 32);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < n * cols / block; ++i) {
     const float* v = x + i * block;
@@ -133,15 +138,22 @@ XQuant quantize_x(const float* x, int64_t n, int64_t cols, int64_t block) {
       for (int k = 0; k < 16; ++k) sum += q[16 * s + k];
       out.sums[i * block / 16 + s] = static_cast<int16_t>(sum);
     }
+    if (block == 32) {
+      out.sum32[i] = out.sums[2 * i] + out.sums[2 * i + 1];
+      out.dsum[i] = out.d[i] * static_cast<float>(out.sum32[i]);
+    }
   }
   return out;
 }
 
-// One row of x's blocks for a dot: codes, scale per block, sums per 16.
+// One row of x's blocks for a dot: codes, scale per block, sums per 16 (and for blocks of 32:
+// each block's sum, and d times it).
 struct XRow {
   const int8_t* q;
   const float* d;
   const int16_t* sums;
+  const int32_t* sum32;
+  const float* dsum;
 };
 
 // Per type: kElems weights in kBytes bytes, x in blocks of kX; Unpacked holds a block's
@@ -151,8 +163,8 @@ struct Q4_0 {
   struct Unpacked { __m256i q; float d; };
   static void unpack(const uint8_t* b, Unpacked& u) { u.q = nibbles32(b + 2); u.d = f16(b); }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
-    const int off = 8 * (x.sums[2 * k] + x.sums[2 * k + 1]);
-    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), _mm256_setr_epi32(off, 0, 0, 0, 0, 0, 0, 0));
+    const __m256i off = _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(8 * x.sum32[k]));
+    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), off);
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
   }
 };
@@ -164,7 +176,7 @@ struct Q4_1 {
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
     const __m256i s = dot32(u.q, load32(x.q + 32 * k));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
-    minimum += u.m * (x.d[k] * static_cast<float>(x.sums[2 * k] + x.sums[2 * k + 1]));
+    minimum += u.m * x.dsum[k];
   }
 };
 
@@ -176,8 +188,8 @@ struct Q5_0 {
     u.d = f16(b);
   }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
-    const int off = 16 * (x.sums[2 * k] + x.sums[2 * k + 1]);
-    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), _mm256_setr_epi32(off, 0, 0, 0, 0, 0, 0, 0));
+    const __m256i off = _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(16 * x.sum32[k]));
+    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), off);
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
   }
 };
@@ -303,7 +315,27 @@ struct Q6_K {  // (d * sc_j) * ((ql | qh << 4) - 32), a scale per 16 weights
   }
 };
 
-// Weight rows [r0, r1) times the n quantized rows of x: out[i * stride + r] (+ bias[r]).
+// One weight row times R rows of x (R known at compile time: the accumulators stay in
+// registers), each block unpacked once for the R rows: out[i] = lanes summed + minimum.
+template <class T, int R>
+inline void dot_rows(const uint8_t* row, int64_t nb, const XRow* xr, float* out) {
+  __m256 acc[R];
+  float minimum[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    minimum[i] = 0.0f;
+  }
+  for (int64_t k = 0; k < nb; ++k) {
+    typename T::Unpacked u;
+    T::unpack(row + k * T::kBytes, u);
+    for (int i = 0; i < R; ++i) T::dot(u, xr[i], k, acc[i], minimum[i]);
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + minimum[i];
+}
+
+// Weight rows [r0, r1) times the n quantized rows of x: out[i * stride + r] (+ bias[r]). x's
+// rows go 4 at a time (the weight row, in L1 by then, read again for each 4); a pair's sums
+// are the same in any group.
 template <class T>
 void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& xq, int64_t n,
               const float* bias, int64_t stride, int64_t r0, int64_t r1, float* out) {
@@ -311,29 +343,20 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
   XRow xr[kMaxRows];
   for (int64_t i = 0; i < n; ++i)
     xr[i] = {xq.q.data() + i * cols, xq.d.data() + i * (cols / T::kX),
-             xq.sums.data() + i * (cols / 16)};
-  typename T::Unpacked u;
+             xq.sums.data() + i * (cols / 16), xq.sum32.data() + i * (cols / 32),
+             xq.dsum.data() + i * (cols / 32)};
+  float sums[kMaxRows];
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    __m256 acc[kMaxRows];
-    float minimum[kMaxRows];
-    for (int64_t i = 0; i < n; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      minimum[i] = 0.0f;
-    }
-    for (int64_t k = 0; k < nb; ++k) {
-      T::unpack(row + k * T::kBytes, u);
-      if (n == 1) {
-        T::dot(u, xr[0], k, acc[0], minimum[0]);
-      } else {
-        for (int64_t i = 0; i < n; ++i) T::dot(u, xr[i], k, acc[i], minimum[i]);
+    for (int64_t i = 0; i < n; i += 4) {
+      switch (std::min<int64_t>(4, n - i)) {
+        case 1: dot_rows<T, 1>(row, nb, xr + i, sums + i); break;
+        case 2: dot_rows<T, 2>(row, nb, xr + i, sums + i); break;
+        case 3: dot_rows<T, 3>(row, nb, xr + i, sums + i); break;
+        default: dot_rows<T, 4>(row, nb, xr + i, sums + i);
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      float v = hsum(acc[i]) + minimum[i];
-      if (bias != nullptr) v += bias[r];
-      out[i * stride + r] = v;
-    }
+    for (int64_t i = 0; i < n; ++i) out[i * stride + r] = bias != nullptr ? sums[i] + bias[r] : sums[i];
   }
 }
 

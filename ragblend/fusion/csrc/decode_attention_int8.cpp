@@ -1,0 +1,309 @@
+// One decode step's attention for a batch of requests over an 8-bit K/V cache
+// (BlendConfig.kv_cache_dtype = "int8"), AVX2 + FMA.
+//
+// Layout (llama.cpp's q8_0, scales kept apart from the codes): a K or V buffer is int8 codes
+// [1, Hkv, capacity, d] beside float32 scales [1, Hkv, capacity, d / block], one scale per
+// `block` consecutive values of a row along the head dim (block = 32 where d is a multiple of
+// 32, else d: one scale per row); symmetric: scale = amax / 127 over the block, code =
+// round-half-even(x / scale) (0 where the block is all zeros), x ~ code * scale.
+//
+// The new token's K/V come in float32 and are quantized here (the same codes and scales
+// ragblend.fusion.decode_q8.quantize_q8 gives in torch: one IEEE division and rounding per
+// value), written at each request's position, then each query head attends keys [lo_b, p_b].
+// q is float32 and so is everything after the codes: each run of keys or values is widened
+// (code * scale, the float32 product torch's dequantization gives) into L1 scratch once for
+// all query heads of its KV head, and scored / weighed there in float32, so the result is
+// SDPA's over the dequantized K/V to float32 rounding, from about a quarter of fp32's bytes.
+//
+// The key blocks, their merge and the write of the new codes: decode_step.h, as the other
+// decode kernels'. A request's blocks depend only on its own position, so a request decoded in
+// a batch gets exactly what it gets alone.
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "decode_step.h"
+#include "unroll.h"
+
+namespace {
+
+using ragblend::unroll;
+using ragblend::decode::Block;
+using ragblend::decode::decode_step;
+using ragblend::decode::kKeyBlock;
+using Vec = at::vec::Vectorized<float>;
+using Lanes = __m256;
+
+constexpr int64_t kLanes = 8;
+constexpr int64_t kValueRun = 32;  // value rows widened to L1 and weighed together
+static_assert(kLanes == Vec::size(), "at::vec's width must be AVX2's");
+
+// A transposing reduction: lane j of the result is the sum of acc[j]'s lanes.
+RAGBLEND_INLINE Lanes sum_lanes(Lanes* acc) {
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// Codes and scales of one buffer (one KV head of one request): row t's codes at
+// codes + t * code_stride, its dim / block scales at scales + t * scale_stride.
+struct Rows {
+  const int8_t* codes;
+  const float* scales;
+  int64_t code_stride, scale_stride, block;
+};
+
+// Rows [t0, t0 + n) of `src` as float32 rows of dim at dst: code * scale.
+RAGBLEND_INLINE void widen(const Rows& src, int64_t t0, int64_t n, int64_t dim, float* dst) {
+  for (int64_t t = t0; t < t0 + n; ++t, dst += dim) {
+    const int8_t* c = src.codes + t * src.code_stride;
+    const float* s = src.scales + t * src.scale_stride;
+    for (int64_t j = 0; j < dim; j += src.block) {
+      const __m256 d = _mm256_set1_ps(s[j / src.block]);
+      for (int64_t i = j; i < j + src.block; i += kLanes) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+      }
+    }
+  }
+}
+
+// kLanes dot products of q with the kLanes float32 rows of dim at k. D: the head dim where it
+// is known when compiling (its loop unrolled), else 0 and `dim`.
+template <int D>
+RAGBLEND_INLINE Lanes dot_lanes(const float* q, const float* k, int64_t dim) {
+  if constexpr (D > 0) dim = D;
+  Lanes acc[kLanes];
+  unroll<kLanes>([&](auto j) RAGBLEND_INLINE_LAMBDA { acc[j] = _mm256_setzero_ps(); });
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    const Lanes qd = _mm256_loadu_ps(q + d);
+    unroll<kLanes>([&](auto j) RAGBLEND_INLINE_LAMBDA {
+      acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + j * dim + d), acc[j]);
+    });
+  }
+  return sum_lanes(acc);
+}
+
+// s[r * kKeyBlock + t - begin] = scale * q_r . k_t for keys [begin, end) and `rows` query rows
+// (q_stride apart); keys widened kLanes at a time into wide (kLanes x dim), a short last run
+// padded with zero rows so that every key is scored the same way.
+template <int D>
+void scores(const float* q, int64_t q_stride, int64_t rows, const Rows& keys, int64_t begin,
+            int64_t end, int64_t dim, float scale, float* s, float* wide) {
+  const Lanes vscale = _mm256_set1_ps(scale);
+  for (int64_t t = begin; t < end; t += kLanes) {
+    const int64_t n = std::min(kLanes, end - t);
+    widen(keys, t, n, dim, wide);
+    if (n < kLanes) std::fill(wide + n * dim, wide + kLanes * dim, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      alignas(32) float dots[kLanes];
+      _mm256_store_ps(dots, _mm256_mul_ps(dot_lanes<D>(q + r * q_stride, wide, dim), vscale));
+      std::copy(dots, dots + n, s + r * kKeyBlock + t - begin);
+    }
+  }
+}
+
+// exp(s - max) in place over n scores; returns (max, sum of the exps).
+std::pair<float, float> exponentiate(float* s, int64_t n) {
+  const float max = at::vec::reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+  const Vec shift(-max);
+  int64_t j = 0;
+  Vec acc(0.0f);
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(s + j) + shift).exp_u20();
+    acc = acc + e;
+    e.store(s + j);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - max);
+    sum += s[j];
+  }
+  return {max, sum};
+}
+
+// out[r, d0 : d0 + kLanes W] (+)= sum_t s[r, t] v_t over the run's n float32 rows of dim
+// for NR query rows, their columns in registers; out is added to unless first.
+template <int D, int NR, int W>
+RAGBLEND_INLINE void weigh_run(const float* s, const float* v, int64_t n, int64_t d0,
+                               int64_t dim, bool first, float* out) {
+  if constexpr (D > 0) dim = D;
+  Lanes acc[NR][W];
+  for (int r = 0; r < NR; ++r)
+    for (int w = 0; w < W; ++w)
+      acc[r][w] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * dim + d0 + kLanes * w);
+  for (int64_t t = 0; t < n; ++t) {
+    Lanes vt[W];
+    for (int w = 0; w < W; ++w) vt[w] = _mm256_loadu_ps(v + t * dim + d0 + kLanes * w);
+    for (int r = 0; r < NR; ++r) {
+      const Lanes p = _mm256_set1_ps(s[r * kKeyBlock + t]);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(p, vt[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + r * dim + d0 + kLanes * w, acc[r][w]);
+}
+
+// ... over all columns, 2 x kLanes at a time (AVX2's 16 registers)
+template <int D, int NR>
+void weigh_run(const float* s, const float* v, int64_t n, int64_t dim, bool first, float* out) {
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= dim; d += 2 * kLanes)
+    weigh_run<D, NR, 2>(s, v, n, d, dim, first, out);
+  for (; d < dim; d += kLanes) weigh_run<D, NR, 1>(s, v, n, d, dim, first, out);
+}
+
+// out[r] = sum_t s[r, t] v_t over values [begin, begin + n) for `rows` rows: kValueRun rows
+// at a time widened into wide (kValueRun x dim), then weighed for up to 4 rows at a time.
+template <int D>
+void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begin, int64_t n,
+                  int64_t dim, float* wide, float* out) {
+  for (int64_t t0 = 0; t0 < n; t0 += kValueRun) {
+    const int64_t run = std::min(kValueRun, n - t0);
+    widen(values, begin + t0, run, dim, wide);
+    for (int64_t r = 0; r < rows; r += 4) {
+      const float* sr = s + r * kKeyBlock + t0;
+      float* o = out + r * dim;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: weigh_run<D, 1>(sr, wide, run, dim, t0 == 0, o); break;
+        case 2: weigh_run<D, 2>(sr, wide, run, dim, t0 == 0, o); break;
+        case 3: weigh_run<D, 3>(sr, wide, run, dim, t0 == 0, o); break;
+        default: weigh_run<D, 4>(sr, wide, run, dim, t0 == 0, o); break;
+      }
+    }
+  }
+}
+
+// The query heads of one KV head over keys [begin, end): per row r its max, its sum of exps
+// and out[r] = sum_t exp(s_rt - max_r) v_t (unnormalised). s: rows x kKeyBlock scratch.
+template <int D>
+void attend_block(const float* q, int64_t q_stride, int64_t rows, const Rows& keys,
+                  const Rows& values, int64_t begin, int64_t end, int64_t dim, float scale,
+                  float* s, float* wide, float* maxes, float* sums, float* out) {
+  scores<D>(q, q_stride, rows, keys, begin, end, dim, scale, s, wide);
+  for (int64_t r = 0; r < rows; ++r)
+    std::tie(maxes[r], sums[r]) = exponentiate(s + r * kKeyBlock, end - begin);
+  weigh_values<D>(s, rows, values, begin, end - begin, dim, wide, out);
+}
+
+// One row of dim float32 values quantized: codes[i] and scales[i / block] (see the layout).
+void quantize_row(const float* x, int64_t dim, int64_t block, int8_t* codes, float* scales) {
+  for (int64_t j = 0; j < dim; j += block) {
+    float amax = 0.0f;
+    for (int64_t i = j; i < j + block; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.0f;
+    const float divisor = d == 0.0f ? 1.0f : d;
+    for (int64_t i = j; i < j + block; ++i)
+      codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / divisor), -127.0f, 127.0f));
+    scales[j / block] = d;
+  }
+}
+
+// x [1, Hkv, B, d] float32 quantized: the codes as a new int8 [1, Hkv, B, d] tensor, the
+// scales written into scales[b] at positions[b].
+at::Tensor quantize_new(const at::Tensor& x, at::TensorList scales, at::IntArrayRef positions,
+                        int64_t block) {
+  const int64_t kv_heads = x.size(1), batch = x.size(2), dim = x.size(3);
+  at::Tensor codes = at::empty({1, kv_heads, batch, dim}, x.options().dtype(at::kChar));
+  int8_t* cd = codes.data_ptr<int8_t>();
+  const float* xd = x.const_data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float* sd = scales[b].data_ptr<float>() + h * scales[b].stride(1) +
+                  positions[b] * scales[b].stride(2);
+      quantize_row(xd + h * x.stride(1) + b * x.stride(2), dim, block,
+                   cd + (h * batch + b) * dim, sd);
+    }
+  return codes;
+}
+
+void check_scales(const at::Tensor& codes, const at::Tensor& scales, int64_t position) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 4 && scales.size(1) == codes.size(1) &&
+                  scales.size(2) == codes.size(2) && scales.stride(3) == 1,
+              "decode_attend_q8: expects int8 codes [1, Hkv, capacity, d] and float32 scales "
+              "[1, Hkv, capacity, d / block]");
+  TORCH_CHECK(position >= 0 && position < codes.size(2), "decode_attend_q8: position ",
+              position, " outside the buffer");
+}
+
+// q [1, H, B, d], k_new, v_new [1, Hkv, B, d] float32 (d contiguous, a multiple of 8); keys[b],
+// values[b] int8 codes [1, Hkv, capacity, d] with key_scales[b], value_scales[b] float32
+// [1, Hkv, capacity, d / block] (block a multiple of 8); the new K/V quantized and written at
+// positions[b]; window 0 for none -> float32 [1, B, H * d]
+at::Tensor decode_attend_q8(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                            at::TensorList keys, at::TensorList key_scales, at::TensorList values,
+                            at::TensorList value_scales, at::IntArrayRef positions,
+                            int64_t window, double scale) {
+  TORCH_CHECK(!keys.empty() && keys.size() == key_scales.size() &&
+                  values.size() == value_scales.size() && keys.size() == positions.size(),
+              "decode_attend_q8: one K/V buffer pair, their scales and a position per request");
+  for (const at::Tensor* t : {&q, &k_new, &v_new})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(3) == 1,
+                "decode_attend_q8: expects float32 q [1, H, B, d], k_new, v_new [1, Hkv, B, d]");
+  const int64_t dim = q.size(3), groups = q.size(1) / k_new.size(1);
+  const int64_t block = dim / key_scales[0].size(3);
+  TORCH_CHECK(dim % kLanes == 0 && block * key_scales[0].size(3) == dim && block % kLanes == 0,
+              "decode_attend_q8: the head dim and its scale block must be multiples of ", kLanes);
+  for (size_t b = 0; b < keys.size(); ++b) {
+    check_scales(keys[b], key_scales[b], positions[b]);
+    check_scales(values[b], value_scales[b], positions[b]);
+    TORCH_CHECK(key_scales[b].size(3) * block == dim && value_scales[b].size(3) * block == dim,
+                "decode_attend_q8: every buffer needs the same scale block");
+  }
+  const at::Tensor k_codes = quantize_new(k_new.contiguous(), key_scales, positions, block);
+  const at::Tensor v_codes = quantize_new(v_new.contiguous(), value_scales, positions, block);
+
+  const float fscale = static_cast<float>(scale);
+  const float* qd = q.const_data_ptr<float>();
+  const auto make_worker = [&] {
+    return [&, s = std::vector<float>(groups * kKeyBlock),
+            wide = std::vector<float>(std::max(kLanes, kValueRun) * dim)](
+               const Block& blk, const int8_t* kh, const int8_t* vh, int64_t key_stride,
+               int64_t value_stride, float* maxes, float* sums, float* out) mutable {
+      const at::Tensor& ks = key_scales[blk.request];
+      const at::Tensor& vs = value_scales[blk.request];
+      const Rows k{kh, ks.const_data_ptr<float>() + blk.head * ks.stride(1), key_stride,
+                   ks.stride(2), block};
+      const Rows v{vh, vs.const_data_ptr<float>() + blk.head * vs.stride(1), value_stride,
+                   vs.stride(2), block};
+      const float* qrows = qd + blk.head * groups * q.stride(1) + blk.request * q.stride(2);
+      const auto attend = [&](auto head_dim) {
+        attend_block<decltype(head_dim)::value>(qrows, q.stride(1), groups, k, v, blk.begin,
+                                                blk.end, dim, fscale, s.data(), wide.data(),
+                                                maxes, sums, out);
+      };
+      if (dim == 64) attend(std::integral_constant<int, 64>{});
+      else if (dim == 128) attend(std::integral_constant<int, 128>{});
+      else attend(std::integral_constant<int, 0>{});
+    };
+  };
+  return decode_step<int8_t>(q, k_codes, v_codes, keys, values, positions, window, make_worker);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ragblend_decode_q8, m) {
+  m.def(
+      "decode_attend_q8(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!)[] keys, Tensor(b!)[] "
+      "key_scales, Tensor(c!)[] values, Tensor(d!)[] value_scales, int[] positions, int window, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ragblend_decode_q8, CPU, m) { m.impl("decode_attend_q8", &decode_attend_q8); }
