@@ -18,9 +18,9 @@
 // (d_w * d_x) * isum, goes into an 8-lane accumulator per (x row, weight row) by one FMA per
 // block; Q4_K and Q5_K subtract their minimums (dmin * d_x * sum_j m_j * bsum_j, the integer
 // sums in 8 lanes) by a second FMA, Q4_1 / Q5_1 add theirs (m * d_x * sum(q_x)) into a float32
-// scalar beside the lanes. Each pair's sums run over the columns in order and
-// are summed across lanes in a fixed order at the end: a row's output is the same bit for bit
-// whatever n and however the weight rows are split between threads.
+// scalar beside the lanes. Each pair's sums run over the columns in order and are summed across
+// lanes in a fixed order at the end: a row's output is the same bit for bit whatever n and
+// however the weight rows are split between threads.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -118,19 +118,24 @@ XQuant quantize_x(const float* x, int64_t n, int64_t cols, int64_t block) {
   for (int64_t i = 0; i < n * cols / block; ++i) {
     const float* v = x + i * block;
     __m256 m = _mm256_setzero_ps();
-    for (int64_t k = 0; k < block; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+    for (int64_t k = 0; k < block; k += 8)
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
     const float amax = hmax(m);
     const float d = amax / 127.0f;
     const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     int8_t* q = out.q.data() + i * block;
     for (int64_t k = 0; k < block; k += 32) {
       __m256i r[4];
-      for (int j = 0; j < 4; ++j)
-        r[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + k + 8 * j), id),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      for (int j = 0; j < 4; ++j) {
+        const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(v + k + 8 * j), id);
+        r[j] = _mm256_cvtps_epi32(
+            _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      }
+      const __m256i w =
+          _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane packing
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
-                          _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+                          _mm256_permutevar8x32_epi32(w, order));
     }
     out.d[i] = block == 32 ? to_f16(d) : d;
     for (int64_t s = 0; s < block / 16; ++s) {
@@ -172,7 +177,11 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int kElems = 32, kBytes = 20, kX = 32;
   struct Unpacked { __m256i q; float d, m; };
-  static void unpack(const uint8_t* b, Unpacked& u) { u.q = nibbles32(b + 4); u.d = f16(b); u.m = f16(b + 2); }
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    u.q = nibbles32(b + 4);
+    u.d = f16(b);
+    u.m = f16(b + 2);
+  }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
     const __m256i s = dot32(u.q, load32(x.q + 32 * k));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
@@ -308,8 +317,10 @@ struct Q6_K {  // (d * sc_j) * ((ql | qh << 4) - 32), a scale per 16 weights
     __m256i s = _mm256_slli_epi32(_mm256_madd_epi16(u.sc16, load32(x.sums + 16 * k)), 5);
     s = _mm256_sub_epi32(_mm256_setzero_si256(), s);
     for (int j = 0; j < 8; ++j) {
-      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * j + 1]), _mm_set1_epi16(u.sc[2 * j]));
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[j], load32(q + 32 * j)), scale));
+      const __m256i scale =
+          _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * j + 1]), _mm_set1_epi16(u.sc[2 * j]));
+      const __m256i p = _mm256_maddubs_epi16(u.q[j], load32(q + 32 * j));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scale));
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
   }
@@ -356,7 +367,8 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
         default: dot_rows<T, 4>(row, nb, xr + i, sums + i);
       }
     }
-    for (int64_t i = 0; i < n; ++i) out[i * stride + r] = bias != nullptr ? sums[i] + bias[r] : sums[i];
+    for (int64_t i = 0; i < n; ++i)
+      out[i * stride + r] = bias != nullptr ? sums[i] + bias[r] : sums[i];
   }
 }
 
