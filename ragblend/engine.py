@@ -524,9 +524,8 @@ class BlendEngine:
     def prepare_decode(self) -> None:
         """Call before decoding outside :meth:`generate` / :meth:`stream` (which call it):
         decode-step linears on prepacked weights where the copy fits (``config.packed_decode``;
-        once per model), and a GGUF's kept-quantized linears set to
-        ``config.decode_activations`` (:attr:`decode_activations` says what they use). Not at
-        start-up: engines that only precompute (warmup jobs, Ray actors) never pay its time,
+        once per model), and ``config.decode_activations`` resolved (:attr:`decode_activations`:
+        the int8 kernels built and checked where it picks them). Not at start-up: engines that only precompute (warmup jobs, Ray actors) never pay its time,
         the weights' second copy or a kernel build."""
         if self.config.packed_decode:
             pack_decode_linears(self.model)
