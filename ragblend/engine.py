@@ -525,8 +525,9 @@ class BlendEngine:
         """Call before decoding outside :meth:`generate` / :meth:`stream` (which call it):
         decode-step linears on prepacked weights where the copy fits (``config.packed_decode``;
         once per model), and ``config.decode_activations`` resolved (:attr:`decode_activations`:
-        the int8 kernels built and checked where it picks them). Not at start-up: engines that only precompute (warmup jobs, Ray actors) never pay its time,
-        the weights' second copy or a kernel build."""
+        the int8 kernels built and checked where it picks them). Not at start-up: engines that
+        only precompute (warmup jobs, Ray actors) never pay its time, the weights' second copy
+        or a kernel build."""
         if self.config.packed_decode:
             pack_decode_linears(self.model)
         self.decode_activations  # noqa: B018 (resolved now: the int8 kernels built, or not)
