@@ -20,6 +20,7 @@ from ragblend import cpu
 from ragblend.errors import RagblendError
 from ragblend.extensions import Build, load_ops
 from ragblend.fusion.decode_kernels import _TOLERANCE
+from ragblend.fusion.native import BUILDS
 
 if TYPE_CHECKING:
     from ragblend.fusion.native import NativeKernels
@@ -29,21 +30,8 @@ log = logging.getLogger(__name__)
 
 
 Q8_BLOCK = 32  # values per scale along the head dim (llama.cpp's q8_0)
-# AVX2 + FMA, at::vec's 8-lane code, as the fp32 kernels' extension is built
-DECODE_Q8 = Build(
-    "avx2",
-    "ragblend_decode_q8",
-    (
-        "-O3",
-        "-DCPU_CAPABILITY_AVX2",
-        "-DCPU_CAPABILITY=AVX2",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-        "-ffp-contract=off",
-        "-fopenmp",
-    ),
-)
+# AVX2 + FMA, at::vec's 8-lane code: built as the fp32 kernels' extension is
+DECODE_Q8 = Build("avx2", "ragblend_decode_q8", BUILDS[torch.float32].flags)
 
 # q [1, H, B, d], k_new, v_new [1, Hkv, B, d] (fp32), keys[b], key_scales[b], values[b],
 # value_scales[b] (int8 codes [1, Hkv, capacity, d], fp32 scales [1, Hkv, capacity, d / block];

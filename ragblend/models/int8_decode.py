@@ -32,12 +32,11 @@ from ragblend import cpu
 from ragblend.errors import RagblendError
 from ragblend.extensions import load_ops
 from ragblend.models import int8_reference as ref
-from ragblend.models.quant_kernels import QUANT_TYPES, random_blocks
+from ragblend.models.quant_kernels import AVX2_FLAGS, QUANT_TYPES, random_blocks
 
 log = logging.getLogger(__name__)
 
 LEVEL = "avx2"  # the least the kernels need
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def int8_kernels() -> Int8Kernels | None:
         try:
             if not cpu.isa_at_least(LEVEL):
                 raise RuntimeError(f"they need CPU level {LEVEL}; this CPU is at {cpu.cpu_isa()}")
-            ops = load_ops("ragblend_q8", ["quant_int8.cpp"], _FLAGS)
+            ops = load_ops("ragblend_q8", ["quant_int8.cpp"], AVX2_FLAGS)
             kernels = Int8Kernels(ops.matmul, ops.matmul_cat, ops.quantize)
             check(kernels)
             _BUILT = kernels

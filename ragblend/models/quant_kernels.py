@@ -63,7 +63,7 @@ QUANT_TYPES: dict[int, str] = {
     14: "Q6_K",
 }
 MAX_ROWS = 16  # rows of x per matmul call
-_AVX2 = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 
 
 # widest first; quant_kernels() takes the first one the CPU level allows that builds and checks
@@ -71,16 +71,16 @@ BUILDS: tuple[Build, ...] = (
     Build(
         "avx512_bf16",
         "ragblend_quant512bf16",
-        (*_AVX2, *AVX512, "-mavx512bf16")
+        (*AVX2_FLAGS, *AVX512, "-mavx512bf16")
         + ("-DRAGBLEND_QUANT_512", "-DRAGBLEND_QUANT_BF16")
         + ("-DRAGBLEND_QUANT_NS=ragblend_quant512bf16",),
     ),
     Build(
         "avx512",
         "ragblend_quant512",
-        (*_AVX2, *AVX512) + ("-DRAGBLEND_QUANT_512", "-DRAGBLEND_QUANT_NS=ragblend_quant512"),
+        (*AVX2_FLAGS, *AVX512) + ("-DRAGBLEND_QUANT_512", "-DRAGBLEND_QUANT_NS=ragblend_quant512"),
     ),
-    Build("avx2", "ragblend_quant", _AVX2),
+    Build("avx2", "ragblend_quant", AVX2_FLAGS),
 )
 LEVEL = BUILDS[-1].level  # the least the kernels need
 
