@@ -161,61 +161,73 @@ struct XRow {
   const float* dsum;
 };
 
+// The 32-weight types' blocks: quants and d, and for Q4_1 / Q5_1 the minimum m.
+struct Small {
+  __m256i q;
+  float d;
+};
+struct SmallMin {
+  __m256i q;
+  float d, m;
+};
+
+// (d_w * d_x) * sum((q - kOffset) q_x): the offset subtracted in the integers (Q4_0, Q5_0)
+template <int kOffset>
+inline void dot_offset(const Small& u, const XRow& x, int64_t k, __m256& acc) {
+  const __m256i off =
+      _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(kOffset * x.sum32[k]));
+  const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), off);
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+}
+
+// (d_w * d_x) * sum(q q_x) in the lanes, m * d_x * sum(q_x) beside them (Q4_1, Q5_1)
+inline void dot_min(const SmallMin& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
+  const __m256i s = dot32(u.q, load32(x.q + 32 * k));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+  minimum += u.m * x.dsum[k];
+}
+
 // Per type: kElems weights in kBytes bytes, x in blocks of kX; Unpacked holds a block's
 // weights once for every row of x; dot(u, x, k, acc, minimum) adds block k of one x row.
 struct Q4_0 {
   static constexpr int kElems = 32, kBytes = 18, kX = 32;
-  struct Unpacked { __m256i q; float d; };
-  static void unpack(const uint8_t* b, Unpacked& u) { u.q = nibbles32(b + 2); u.d = f16(b); }
+  using Unpacked = Small;
+  static void unpack(const uint8_t* b, Unpacked& u) { u = {nibbles32(b + 2), f16(b)}; }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
-    const __m256i off = _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(8 * x.sum32[k]));
-    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), off);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+    dot_offset<8>(u, x, k, acc);
   }
 };
 
 struct Q4_1 {
   static constexpr int kElems = 32, kBytes = 20, kX = 32;
-  struct Unpacked { __m256i q; float d, m; };
-  static void unpack(const uint8_t* b, Unpacked& u) {
-    u.q = nibbles32(b + 4);
-    u.d = f16(b);
-    u.m = f16(b + 2);
-  }
+  using Unpacked = SmallMin;
+  static void unpack(const uint8_t* b, Unpacked& u) { u = {nibbles32(b + 4), f16(b), f16(b + 2)}; }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
-    const __m256i s = dot32(u.q, load32(x.q + 32 * k));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
-    minimum += u.m * x.dsum[k];
+    dot_min(u, x, k, acc, minimum);
   }
 };
 
 struct Q5_0 {
   static constexpr int kElems = 32, kBytes = 22, kX = 32;
-  struct Unpacked { __m256i q; float d; };
+  using Unpacked = Small;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    u.q = _mm256_or_si256(nibbles32(b + 6), bits32_x10(b + 2));
-    u.d = f16(b);
+    u = {_mm256_or_si256(nibbles32(b + 6), bits32_x10(b + 2)), f16(b)};
   }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
-    const __m256i off = _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(16 * x.sum32[k]));
-    const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), off);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
+    dot_offset<16>(u, x, k, acc);
   }
 };
 
 struct Q5_1 {
   static constexpr int kElems = 32, kBytes = 24, kX = 32;
-  struct Unpacked { __m256i q; float d, m; };
+  using Unpacked = SmallMin;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    u.q = _mm256_or_si256(nibbles32(b + 8), bits32_x10(b + 4));
-    u.d = f16(b);
-    u.m = f16(b + 2);
+    u = {_mm256_or_si256(nibbles32(b + 8), bits32_x10(b + 4)), f16(b), f16(b + 2)};
   }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
-    Q4_1::dot(reinterpret_cast<const Q4_1::Unpacked&>(u), x, k, acc, minimum);
+    dot_min(u, x, k, acc, minimum);
   }
 };
-static_assert(sizeof(Q5_1::Unpacked) == sizeof(Q4_1::Unpacked));
 
 struct Q8_0 {
   static constexpr int kElems = 32, kBytes = 34, kX = 32;
