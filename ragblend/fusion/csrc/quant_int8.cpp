@@ -462,13 +462,7 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       offset += rows;
     });
   }
-  std::vector<std::pair<size_t, int64_t>> tasks;
-  for (size_t k = 0; k < parts.size(); ++k)
-    for (int64_t r0 = 0; r0 < parts[k].rows; r0 += kTask) tasks.emplace_back(k, r0);
-  for_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
-    const Part& part = parts[tasks[t].first];
-    part.run(tasks[t].second, std::min(part.rows, tasks[t].second + kTask));
-  });
+  ragblend::for_part_rows(parts, kTask);
   return out;
 }
 

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace ragblend {
 
@@ -18,6 +20,19 @@ void for_tasks(int64_t count, const F& f) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t t = next++; t < count; t = next++) f(t);
+  });
+}
+
+// part.run(r0, r1) over each part's rows [0, part.rows) in tasks of `task` rows, all parts'
+// tasks in one queue (a decode step's q/k/v weights in one parallel region).
+template <class Part>
+void for_part_rows(const std::vector<Part>& parts, int64_t task) {
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (part, first row)
+  for (size_t k = 0; k < parts.size(); ++k)
+    for (int64_t r0 = 0; r0 < parts[k].rows; r0 += task) tasks.emplace_back(k, r0);
+  for_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Part& part = parts[tasks[t].first];
+    part.run(tasks[t].second, std::min(part.rows, tasks[t].second + task));
   });
 }
 
