@@ -98,6 +98,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--no-auto", action="store_true", help="skip blend with ratio='auto'")
     ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="also time reuse and blend with layer_kernels='fused' (Triton layer steps on "
+        "CUDA) in the same rounds",
+    )
+    ap.add_argument(
         "--tiers", default="ram,disk", help="KV tiers: ram, disk, device (default ram,disk)"
     )
     ap.add_argument(

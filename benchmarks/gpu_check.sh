@@ -72,12 +72,12 @@ if [ -d .gpu_assets/tokenizer ]; then export RAGBLEND_TEST_TOKENIZER="$PWD/.gpu_
 if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu; DTYPE=float32; SHAPES=(tiny); DECODE_SHAPE=tiny
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-    BENCH_ARGS=(--layouts 3x48,2x96 --tiers ram,disk --ratios 0.15 --repeats 2 --skip-rates)
+    BENCH_ARGS=(--layouts 3x48,2x96 --tiers ram,disk --ratios 0.15 --repeats 2 --skip-rates --fused)
     DECODE_ARGS=(--prompt-tokens 256 --steps 8 --repeats 2)
     PROFILE_ARGS=(--layout 3x48)
 else
     DEVICE=cuda; DTYPE=bfloat16; SHAPES=(mistral-7b llama-3.1-8b); DECODE_SHAPE=mistral-7b
-    BENCH_ARGS=(--tiers ram,disk,device --ratios 0.15 --repeats 3 --skip-rates --attn-keys 3072)
+    BENCH_ARGS=(--tiers ram,disk,device --ratios 0.15 --repeats 3 --skip-rates --attn-keys 3072 --fused)
     DECODE_ARGS=(--prompt-tokens 3157 --steps 32 --repeats 3)
     PROFILE_ARGS=(--layout 6x512)
 fi

@@ -75,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="blend's selected-row attention: masked (default: a GPU's path) or sdpa (blocks)",
     )
     ap.add_argument(
+        "--layer-kernels",
+        default="fused",
+        choices=("hf", "fused"),
+        help="the layer steps: fused (default: one op per norm, RoPE, K/V scatter and SiLU "
+        "product, as a GPU runs them with Triton kernels) or hf (HF's modules)",
+    )
+    ap.add_argument(
         "--layers", type=int, default=None, help="decoder layers (default: the shape's; tiny: 12)"
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -112,6 +119,7 @@ def build_engine(args: argparse.Namespace) -> tuple[BlendEngine, MemoryStore]:
         store,
         model_overrides={"num_hidden_layers": layers} if layers else None,
         row_attention=args.row_attention,
+        layer_kernels=args.layer_kernels,
     )
     return engine, store
 
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
             "dtype": "float32",
             "device": "cpu",
             "row_attention": engine.row_attention,
+            "layer_kernels": args.layer_kernels,
             "prefetch_depth": store.prefetch_depth,
             "ratio": engine.config.ratio,
             "check_layers": list(engine.config.check_layers),

@@ -48,19 +48,24 @@ def plot_shape(info: dict, out: Path) -> None:
             tiers = sorted({r["tier"] for r in res.values() if r["tier"]})
             for i, tier in enumerate(tiers):
                 color = f"C{i}"
-                pts = sorted(
-                    (r["ratio"], r["ttft_ms_median"])
-                    for r in res.values()
-                    if r["tier"] == tier and r["mode"] == "blend" and isinstance(r["ratio"], float)
-                )
-                reuse = [
-                    r["ttft_ms_median"]
-                    for r in res.values()
-                    if r["tier"] == tier and r["mode"] == "reuse"
-                ]
-                xs = ([0.0] if reuse else []) + [p[0] for p in pts]
-                ys = reuse + [p[1] for p in pts]
-                ax.plot(xs, ys, "o-", color=color, label=f"reuse→blend [{tier}]")
+                kernels = sorted({r.get("layer_kernels") or "hf" for r in res.values()})
+                for kind in kernels:  # one line per layer-step kind (HF's modules, fused)
+                    of_kind = [
+                        r
+                        for r in res.values()
+                        if r["tier"] == tier and (r.get("layer_kernels") or "hf") == kind
+                    ]
+                    pts = sorted(
+                        (r["ratio"], r["ttft_ms_median"])
+                        for r in of_kind
+                        if r["mode"] == "blend" and isinstance(r["ratio"], float)
+                    )
+                    reuse = [r["ttft_ms_median"] for r in of_kind if r["mode"] == "reuse"]
+                    xs = ([0.0] if reuse else []) + [p[0] for p in pts]
+                    ys = reuse + [p[1] for p in pts]
+                    if xs:
+                        style, label = ("o--", " fused") if kind == "fused" else ("o-", "")
+                        ax.plot(xs, ys, style, color=color, label=f"reuse→blend [{tier}]{label}")
                 for r in res.values():
                     if r["tier"] == tier and r["mode"] == "prefix":
                         ax.axhline(

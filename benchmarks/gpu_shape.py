@@ -186,9 +186,13 @@ def run_shape(shape: str, args, device, out: Path) -> dict:
             }
         info["controller"] = decisions
 
-        views = {t: view_for(engine, stores[t], controllers.get(t)) for t in stores}
+        views: dict = {t: view_for(engine, stores[t], controllers.get(t)) for t in stores}
+        if args.fused:
+            views.update(
+                {(t, "fused"): v.with_config(layer_kernels="fused") for t, v in list(views.items())}
+            )
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        variants = make_variants(modes, floats(args.ratios), tiers, not args.no_auto)
+        variants = make_variants(modes, floats(args.ratios), tiers, not args.no_auto, args.fused)
         info["layouts"] = {}
         for name, prompt in prompts.items():
             t0 = time.perf_counter()

@@ -28,15 +28,21 @@ def ints(text: str) -> list[int]:
 
 @dataclass
 class Variant:
-    """One timed configuration: a mode, the KV tier it reads (None: full), a ratio."""
+    """One timed configuration: a mode, the KV tier it reads (None: full), a ratio, and the
+    layer steps it runs (``BlendConfig.layer_kernels``; None: the engine's)."""
 
     name: str
     mode: str
     tier: str | None
     ratio: float | str | None = None
+    layer_kernels: str | None = None
 
 
-def make_variants(modes: list[str], ratios: list[float], tiers: list[str], auto: bool):
+def make_variants(
+    modes: list[str], ratios: list[float], tiers: list[str], auto: bool, fused: bool = False
+):
+    """The timed variants; ``fused``: also reuse and blend at the main ratio (0.15, else the
+    first) with ``layer_kernels="fused"``, timed in the same rounds as the others."""
     out = []
     if "full" in modes:
         out.append(Variant("full", "full", None))
@@ -50,6 +56,11 @@ def make_variants(modes: list[str], ratios: list[float], tiers: list[str], auto:
                 out.append(Variant(f"blend r={r:g} [{tier}]", "blend", tier, r))
             if auto:
                 out.append(Variant(f"blend auto [{tier}]", "blend", tier, "auto"))
+        if fused and "reuse" in modes:
+            out.append(Variant(f"reuse [{tier}] fused", "reuse", tier, None, "fused"))
+        if fused and "blend" in modes and ratios:
+            r = 0.15 if 0.15 in ratios else ratios[0]
+            out.append(Variant(f"blend r={r:g} [{tier}] fused", "blend", tier, r, "fused"))
     return out
 
 
@@ -70,12 +81,14 @@ def timed_prefill(view: BlendEngine, prompt: TokenizedPrompt, mode: str, ratio, 
 
 
 def layout_sweep(engine, views, prompt, variants, repeats, warmup, device) -> dict:
-    """Interleaved TTFT measurements of every variant on one prompt."""
+    """Interleaved TTFT measurements of every variant on one prompt (``views``: per tier, and
+    per ``(tier, layer_kernels)`` for the variants that set them)."""
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     last: dict[str, dict] = {}
     for rep in range(warmup + repeats):
         for v in variants:
-            view = views[v.tier] if v.tier else engine
+            key = (v.tier, v.layer_kernels) if v.layer_kernels else v.tier
+            view = views[key] if v.tier else engine
             ms, stats, finite = timed_prefill(view, prompt, v.mode, v.ratio, device)
             if rep >= warmup:
                 times[v.name].append(ms)
@@ -90,6 +103,7 @@ def layout_sweep(engine, views, prompt, variants, repeats, warmup, device) -> di
             "mode": v.mode,
             "tier": v.tier,
             "ratio": v.ratio,
+            "layer_kernels": v.layer_kernels or view_kernels(views, v),
             "ttft_ms_median": med,
             "ttft_ms_min": min(times[v.name]),
             "ttft_ms_all": times[v.name],
@@ -103,6 +117,12 @@ def layout_sweep(engine, views, prompt, variants, repeats, warmup, device) -> di
             "controller": controller,
         }
     return out
+
+
+def view_kernels(views: dict, v: Variant) -> str:
+    """The layer steps a variant's view resolved to (``"hf"`` for HF's modules)."""
+    kernels = getattr(views.get(v.tier), "layer_kernels", None) if v.tier else None
+    return "hf" if kernels is None else "fused"
 
 
 def simulate_fifo(view, requests, arrivals, mode, ratio, device) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ragblend.errors import RagblendError
+from ragblend.fusion.layer_ops import LayerKernelsChoice, check_layer_kernels
 from ragblend.fusion.native import RowAttention, check_row_attention
 from ragblend.models.gguf import Weights, check_weights
 
@@ -93,6 +94,14 @@ class BlendConfig:
         bit), and decode steps' attention for all running requests in one call (over fp32 or
         bf16 K/V). See
         ``ragblend.fusion.native``.
+    layer_kernels: the kernels of a fused prefill's layer steps where ragblend's native CPU
+        kernels do not run (a GPU, or ``row_attention="masked"``/``"sdpa"``): ``"hf"`` (HF's
+        modules: six kernels per RMSNorm, five per RoPE), ``"fused"`` (one registered op per
+        norm, residual add + norm, RoPE of q and k, in-place RoPE of the cached keys, K/V
+        scatter and SiLU product, ``ragblend.fusion.layer_ops``: Triton kernels on CUDA,
+        checked against torch references of HF's arithmetic when they load; those references
+        elsewhere) or ``"auto"`` (``"hf"`` until a GPU run of ``benchmarks/gpu_check.sh`` has
+        checked the Triton kernels).
     decode_activations: how a decode step multiplies its rows by a GGUF's kept-quantized
         weights: ``"float"`` (the rows as they are: dequantize + ``F.linear`` to fp32
         rounding), ``"int8"`` (llama.cpp's arithmetic: each row quantized to 8 bits per block
@@ -141,6 +150,7 @@ class BlendConfig:
     max_new_tokens: int = 64
     packed_decode: bool = True
     row_attention: RowAttention = "auto"
+    layer_kernels: LayerKernelsChoice = "auto"
     decode_activations: DecodeActivations = "auto"
     kv_cache_dtype: KvCacheDtype = "auto"
     ram_bytes: int = 4 << 30
@@ -173,6 +183,7 @@ class BlendConfig:
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
         check_row_attention(self.row_attention)
+        check_layer_kernels(self.layer_kernels)
         if self.decode_activations not in DECODE_ACTIVATIONS:
             raise RagblendError(
                 f"unknown decode_activations {self.decode_activations!r}; expected one of "

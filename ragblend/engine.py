@@ -17,6 +17,7 @@ from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
 from ragblend.fusion.fusor import fuse
+from ragblend.fusion.layer_ops import LayerKernels, layer_kernels
 from ragblend.fusion.native import NativeKernels, native_kernels
 from ragblend.fusion.selection import make_selector
 from ragblend.fusion.selectors import TokenSelector
@@ -86,6 +87,7 @@ class BlendEngine:
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
         self._native: NativeKernels | None | object = _UNRESOLVED
+        self._layer_kernels: LayerKernels | None | object = _UNRESOLVED
         self._decode_activations: str | None = None  # resolved on first use
         if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
             self._native = self._native_kernels(self.config)
@@ -146,6 +148,11 @@ class BlendEngine:
             view.selector = make_selector(view.config)
         if view.config.decode_activations != self.config.decode_activations:
             view._decode_activations = None
+        if (view.config.row_attention, view.config.layer_kernels) != (
+            self.config.row_attention,
+            self.config.layer_kernels,
+        ):
+            view._layer_kernels = _UNRESOLVED
         if view.config.row_attention != self.config.row_attention:
             view._native = _UNRESOLVED
             if view.config.row_attention == "native":
@@ -178,6 +185,19 @@ class BlendEngine:
     @native.setter
     def native(self, kernels: NativeKernels | None) -> None:
         self._native = kernels
+
+    @property
+    def layer_kernels(self) -> LayerKernels | None:
+        """The fused layer steps blend and reuse run (``BlendConfig.layer_kernels``), or None
+        for HF's modules (and wherever the native CPU kernels run)."""
+        if self._layer_kernels is _UNRESOLVED:
+            layers = self.layers
+            self._layer_kernels = (
+                None
+                if self.native is not None
+                else layer_kernels(self.config.layer_kernels, layers.device, layers.dtype)
+            )
+        return cast("LayerKernels | None", self._layer_kernels)
 
     @property
     def row_attention(self) -> str:
@@ -421,6 +441,7 @@ class BlendEngine:
             self.selector,
             native=self.native,
             gpu_path=self.row_attention == "masked",
+            kernels=self.layer_kernels,
         )
         stats.recomputed_fraction = fusion.recomputed_fraction
         cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)

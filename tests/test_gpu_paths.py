@@ -109,6 +109,29 @@ def test_cuda_blend_at_ratio_one_matches_hf_full_prefill(case, dtype, tokenizer,
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] + ("-window" if c[1] else ""))
+def test_cuda_fused_layer_steps_at_ratio_one_match_hf_full_prefill(
+    case, dtype, tokenizer, strict_fp32
+):
+    """layer_kernels="fused": Triton kernels that passed their load check on this GPU."""
+    family, windowed = case
+    model = tiny_model(family, dtype=dtype, **(WINDOWED[family] if windowed else {})).cuda()
+    engine = engine_for(model, tokenizer, ratio=1.0, device="cuda", layer_kernels="fused")
+    kernels = engine.layer_kernels
+    assert kernels is not None and kernels.impl == "triton"  # no fallback to the references
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    ref = _cuda_forward(model, prompt.ids)
+    out = engine.prefill(prompt, "blend")
+    assert out.stats.recomputed_fraction == 1.0
+    _assert_matches_full(engine, out, ref, dtype)
+    blend, hf = engine.with_config(ratio=0.15), engine.with_config(ratio=0.15, layer_kernels="hf")
+    a, b = blend.prefill(prompt, "blend"), hf.prefill(prompt, "blend")
+    torch.testing.assert_close(a.logits, b.logits, atol=TOLERANCES[dtype][0], rtol=0)
+
+
+@needs_cuda
 @pytest.mark.parametrize("tier", ["pinned-ram", "disk"])
 def test_cuda_ratio_one_and_reuse_from_host_tiers(tier, tokenizer, tmp_path, strict_fp32):
     """KV in pinned host memory (plain H2D copies) or on disk (pipelined CUDA stager)."""

@@ -49,7 +49,8 @@ the upload from both modes: :data:`UPLOADS` names such functions, which a counte
 tracker wraps while it counts (their result is a device tensor, made by one copy kernel).
 
 Layers: forward pre-hooks on each decoder layer's ``input_layernorm`` (the first module both
-HF's forward and the fusor call in a layer) open that layer's bucket, and one on the final
+HF's forward and the fusor call in a layer; on the fused path, the fused RMSNorm op given that
+module's weight) open that layer's bucket, and one on the final
 norm opens ``"tail"``. Ops before layer 0's norm are ``"setup"``; ops from a layer's norm to
 the next layer's norm are that layer's — the fusor's loader yields layer ``i + 1``'s cached
 K/V (and the RoPE rows of a changed row set are gathered) before layer ``i + 1``'s norm, so
@@ -72,6 +73,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
+
+import ragblend.fusion.layer_ops  # noqa: F401  (registers the fused ops counted here)
 
 Bucket = str | int  # "setup", a layer index, or "tail"
 
@@ -184,6 +187,7 @@ REPEAT_INTERLEAVE: Any = _aten.repeat_interleave
 KEEP_WHOLE: frozenset[Any] = _packets(("scaled_dot_product_attention",))
 
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_FUSED_NORM: Any = torch.ops.ragblend_layer.rms_norm  # registered by ragblend.fusion.layer_ops
 
 # Tensor methods that read device data on the host; on CPU most dispatch nothing, so they are
 # seen at the torch-function level (and counted there only).
@@ -216,10 +220,11 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def op_name(func: Any) -> str:
-    """``aten.<packet>`` of an aten overload, or a torch function's ``__qualname__``."""
+    """``<namespace>.<packet>`` of an op overload (``aten.mm``, ``ragblend_layer.rope_qk``),
+    or a torch function's ``__qualname__``."""
     packet = getattr(func, "overloadpacket", None)
     if packet is not None:
-        return f"aten.{packet.__name__}"
+        return f"{getattr(func, 'namespace', 'aten')}.{packet.__name__}"
     name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or func)
     return name.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")
 
@@ -382,6 +387,10 @@ class _DispatchLevel(TorchDispatchMode):
         kwargs = kwargs or {}
         counter = self.counter
         packet = func.overloadpacket
+        if packet is _FUSED_NORM and len(args) > 1:  # a fused path's input_layernorm
+            bucket = counter.norm_buckets.get(id(args[1]))
+            if bucket is not None:
+                counter.enter(bucket)
         if packet not in KEEP_WHOLE and torch._C._dispatch_has_kernel_for_dispatch_key(
             func.name(), _COMPOSITE
         ):  # decompose as a GPU build runs it, with this mode seeing the parts
@@ -445,6 +454,12 @@ class OpCounter:
         self.current = self.buckets["setup"]
         self._host_read_depth = 0
         self._hooks: list[Any] = []
+        # the layers' input_layernorm weights: a fused RMSNorm op given one opens its bucket
+        self.norm_buckets: dict[int, Bucket] = {
+            id(weight): i
+            for i, layer in enumerate(self.layers)
+            if (weight := getattr(layer.input_layernorm, "weight", None)) is not None
+        }
         self._modes: list[Any] = []
         self._patched: list[tuple[Any, str, Any]] = []
 

@@ -9,6 +9,7 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
+from ragblend.fusion.layer_ops import LayerKernels
 from ragblend.fusion.native import NativeKernels, RopeKernel
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
@@ -68,6 +69,7 @@ def fuse(
     trace: FusionTrace | None = None,
     native: NativeKernels | None = None,
     gpu_path: bool = False,
+    kernels: LayerKernels | None = None,
 ) -> FusionResult:
     """Run the prompt through every layer, recomputing only the selected rows.
 
@@ -110,12 +112,14 @@ def fuse(
     # RoPE of the projected rows and of the cached keys: HF's unless native
     fresh_rope = model.native_rope(native, ropes.full(0)[0])
     rotate_: RopeKernel = fresh_rope or model.rotate_
+    if kernels is not None and model.rope_rotates_half:
+        rotate_ = kernels.rope_
     norm = model.native_norm(native)
     for layer, k_cached, v_cached in layers:
         cos_all, sin_all = ropes.full(layer)
         # project
         cos, sin = ropes.rows(layer, active)
-        proj = model.project(layer, hidden, cos, sin, fresh_rope, norm)
+        proj = model.project(layer, hidden, cos, sin, fresh_rope, norm, kernels)
         if trace is not None:
             trace.projected(layer, proj, active)
         # select (scores compare fresh rows with the still-unmodified pre-RoPE cache)
@@ -143,8 +147,11 @@ def fuse(
                 selector, check, rows.forced[active], checks[layer], rows.num_approx
             )
         # write fresh K/V: every active row gets them on this layer
-        k_full.index_copy_(2, active, proj.k)
-        v_cached.index_copy_(2, active, proj.v)
+        if kernels is None:
+            k_full.index_copy_(2, active, proj.k)
+            v_cached.index_copy_(2, active, proj.v)
+        else:
+            kernels.scatter_rows(k_full, v_cached, active, proj.k, proj.v)
         rows_per_layer.append(int(active.numel()))
         q = proj.q
         if keep is not None and keep.numel() < active.numel():
@@ -176,7 +183,7 @@ def fuse(
             stale = rows.num_approx - (int(computed.numel()) - rows.num_uncached)
             attn = temper.attend(q, k_full, v_cached, plan, model.scaling(layer), computed, stale)
         # finish
-        hidden = model.finish(layer, hidden, attn, norm)
+        hidden = model.finish(layer, hidden, attn, norm, kernels)
         keys.append(k_full)
         values.append(v_cached)
 

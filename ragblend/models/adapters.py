@@ -14,13 +14,18 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ragblend.errors import UnsupportedModelError
+from ragblend.models.joined import JoinedLinear, join_linears
 from ragblend.models.packed import qkv_projections
 
 if TYPE_CHECKING:
+    from ragblend.fusion.layer_ops import LayerKernels
     from ragblend.fusion.native import NativeKernels, NormKernel, RopeKernel
 
 # The RMSNorm classes whose forward is LlamaRMSNorm's (what ragblend's native norm computes).
 LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+# The MLP classes whose forward is LlamaMLP's (what the fused SiLU product computes with).
+LLAMA_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+SILU_ACTIVATIONS = frozenset({"SiLU", "SiLUActivation"})  # torch's and HF's: F.silu
 
 
 @dataclass
@@ -54,6 +59,7 @@ class LayerwiseModel:
         self.num_heads: int = self.config.num_attention_heads
         self.num_kv_heads: int = self.config.num_key_value_heads
         self.hidden_size: int = self.config.hidden_size
+        self._joined: dict[tuple[int, str], JoinedLinear | None] = {}
         self.llama_rms_norms: bool = all(
             type(norm).__name__ in LLAMA_RMS_NORMS
             for block in self.layers
@@ -140,9 +146,31 @@ class LayerwiseModel:
     def scaling(self, layer: int) -> float:
         return float(self.layers[layer].self_attn.scaling)
 
-    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def joined(self, layer: int, group: str) -> JoinedLinear | None:
+        """``layer``'s q/k/v (``group="qkv"``) or gate/up (``"gate_up"``) projections as one
+        matmul (:mod:`ragblend.models.joined`), joined on first use; None where they cannot
+        be (quantized linears, another MLP)."""
+        key = (layer, group)
+        joined = self._joined.get(key)
+        if joined is not None and joined.is_current():
+            return joined
+        if joined is None and key in self._joined:
+            return None
+        block = self.layers[layer]
+        modules: tuple[Any, ...] = ()
+        if group == "qkv":
+            attn = block.self_attn
+            modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+        elif _silu_mlp(block.mlp):
+            modules = (block.mlp.gate_proj, block.mlp.up_proj)
+        joined = self._joined[key] = join_linears(modules)
+        return joined
+
+    def _qkv(
+        self, attn: Any, x: torch.Tensor, joined: JoinedLinear | None = None
+    ) -> tuple[torch.Tensor, ...]:
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q, k, v = qkv_projections(attn, x)
+        q, k, v = joined(x) if joined is not None else qkv_projections(attn, x)
         return (
             q.view(shape).transpose(1, 2),
             k.view(shape).transpose(1, 2),
@@ -157,16 +185,22 @@ class LayerwiseModel:
         sin: torch.Tensor,
         rope_: RopeKernel | None = None,
         norm: NormKernel | None = None,
+        kernels: LayerKernels | None = None,
     ) -> LayerProjections:
         """input_layernorm + Q/K/V projections (+ family norms) + RoPE for the given rows.
 
         ``rope_``: an in-place RoPE with HF's values for this family (ragblend's native one,
         see ``LayerwiseModel.rotate_``) to use instead of ``apply_rotary_pos_emb``; ``norm``:
-        the same for the layer norms (for ``llama_rms_norms`` models)."""
+        the same for the layer norms (for ``llama_rms_norms`` models). ``kernels``: the fused
+        device steps (:mod:`ragblend.fusion.layer_ops`) for the norm and the RoPE of q and k,
+        where this family's are Llama's."""
         block = self.layers[layer]
-        x = _normed(block.input_layernorm, hidden, norm)
-        q, k_pre, v = self._qkv(block.self_attn, x)
-        if rope_ is None:
+        x = self._norm(block.input_layernorm, hidden, norm, kernels)
+        joined = self.joined(layer, "qkv") if kernels is not None else None
+        q, k_pre, v = self._qkv(block.self_attn, x, joined)
+        if kernels is not None and self.rope_rotates_half:
+            q, k = kernels.rope_qk(q, k_pre, cos, sin)
+        elif rope_ is None:
             q, k = self._apply_rotary(q, k_pre, cos, sin)
         else:  # q is this call's own; k_pre is kept for the selectors and the store
             q, k = rope_(q, cos, sin), rope_(k_pre.clone(), cos, sin)
@@ -178,12 +212,36 @@ class LayerwiseModel:
         hidden: torch.Tensor,
         attn_out: torch.Tensor,
         norm: NormKernel | None = None,
+        kernels: LayerKernels | None = None,
     ) -> torch.Tensor:
         """o_proj + residual + post-attention norm + MLP + residual; attn_out [1, T, H*d].
-        ``norm``: see ``project``."""
+        ``norm``, ``kernels``: see ``project`` (``kernels`` also join the residual add with
+        the norm, and SiLU with the up projection's product)."""
         block = self.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out)
-        return hidden + block.mlp(_normed(block.post_attention_layernorm, hidden, norm))
+        delta = block.self_attn.o_proj(attn_out)
+        post = block.post_attention_layernorm
+        if kernels is not None and self.llama_rms_norms:
+            hidden, x = kernels.add_rms_norm(hidden, delta, post.weight, post.variance_epsilon)
+        else:
+            hidden = hidden + delta
+            x = self._norm(post, hidden, norm, kernels)
+        mlp = block.mlp
+        if kernels is None or not _silu_mlp(mlp):
+            return hidden + mlp(x)
+        joined = self.joined(layer, "gate_up")
+        gate, up = joined(x) if joined is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+        return hidden + mlp.down_proj(kernels.silu_mul(gate, up))
+
+    def _norm(
+        self,
+        module: Any,
+        hidden: torch.Tensor,
+        norm: NormKernel | None,
+        kernels: LayerKernels | None,
+    ) -> torch.Tensor:
+        if kernels is not None and self.llama_rms_norms:
+            return kernels.rms_norm(hidden, module.weight, module.variance_epsilon)
+        return _normed(module, hidden, norm)
 
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on hidden states [1, T, D] → fp32 logits [T, V]."""
@@ -207,9 +265,11 @@ class Qwen2Layerwise(LayerwiseModel):
 class Qwen3Layerwise(Qwen2Layerwise):
     family = "qwen3"
 
-    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv(
+        self, attn: Any, x: torch.Tensor, joined: JoinedLinear | None = None
+    ) -> tuple[torch.Tensor, ...]:
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q, k, v = qkv_projections(attn, x)
+        q, k, v = joined(x) if joined is not None else qkv_projections(attn, x)
         return (
             attn.q_norm(q.view(shape)).transpose(1, 2),
             attn.k_norm(k.view(shape)).transpose(1, 2),
@@ -247,7 +307,9 @@ class Gemma3Layerwise(Qwen3Layerwise):
         hidden: torch.Tensor,
         attn_out: torch.Tensor,
         norm: NormKernel | None = None,
+        kernels: LayerKernels | None = None,
     ) -> torch.Tensor:
+        # Gemma's norms are (1 + weight) and its MLP GELU: HF's modules under any kernels
         block = self.layers[layer]
         hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
         mlp_out = block.mlp(block.pre_feedforward_layernorm(hidden))
@@ -259,6 +321,15 @@ class Gemma3Layerwise(Qwen3Layerwise):
         if cap is not None:  # in the model's dtype, as HF's forward does it
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+def _silu_mlp(mlp: Any) -> bool:
+    """Whether ``mlp`` is HF's ``LlamaMLP`` shape with SiLU (``down(silu(gate(x)) * up(x))``)."""
+    return (
+        type(mlp).__name__ in LLAMA_MLPS
+        and type(getattr(mlp, "act_fn", None)).__name__ in SILU_ACTIVATIONS
+        and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    )
 
 
 def _normed(module: Any, hidden: torch.Tensor, norm: NormKernel | None) -> torch.Tensor:
