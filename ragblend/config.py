@@ -109,6 +109,12 @@ class BlendConfig:
         ``ragblend.models.int8_decode``) or ``"auto"`` (what was measured faster at this CPU
         level: ``ragblend.models.int8_decode.AUTO_BY_LEVEL``). Prefills keep the exact path;
         dense models are unaffected.
+    decode_slots: requests a static decode K/V pool holds (``ragblend.decode_pool``): their
+        decode buffers are slots of one tensor per layer, and a step of requests that share it
+        attends in one call per layer. ``None`` (default): 8 on a GPU, 0 (off: a buffer per
+        request, the native CPU kernels' layout) on a CPU. A request that finds no free slot,
+        or needs more than the pool's tokens (``decode_pool_tokens``), gets its own buffers.
+    decode_pool_tokens: the tokens (prompt + answer) a pool slot holds (default 4096).
     kv_cache_dtype: the decode-time K/V cache (the prompt's K/V copied for decoding and every
         generated token's): ``"auto"`` (the model's dtype) or ``"int8"`` (8-bit codes with
         scales, half of bf16's bytes for each decode step to read). The chunk KV store and
@@ -153,6 +159,8 @@ class BlendConfig:
     layer_kernels: LayerKernelsChoice = "auto"
     decode_activations: DecodeActivations = "auto"
     kv_cache_dtype: KvCacheDtype = "auto"
+    decode_slots: int | None = None
+    decode_pool_tokens: int = 4096
     ram_bytes: int = 4 << 30
     extra: dict = field(default_factory=dict)
 
@@ -184,6 +192,10 @@ class BlendConfig:
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
         check_row_attention(self.row_attention)
         check_layer_kernels(self.layer_kernels)
+        if self.decode_slots is not None and self.decode_slots < 0:
+            raise RagblendError(f"decode_slots must be >= 0 or None, got {self.decode_slots}")
+        if self.decode_pool_tokens < 1:
+            raise RagblendError(f"decode_pool_tokens must be >= 1, got {self.decode_pool_tokens}")
         if self.decode_activations not in DECODE_ACTIVATIONS:
             raise RagblendError(
                 f"unknown decode_activations {self.decode_activations!r}; expected one of "

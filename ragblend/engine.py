@@ -14,6 +14,7 @@ import torch
 
 from ragblend.chunk_cache import ChunkCache
 from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
+from ragblend.decode_pool import DecodePool
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
 from ragblend.fusion.fusor import fuse
@@ -88,6 +89,8 @@ class BlendEngine:
         self.selector: TokenSelector = make_selector(self.config)
         self._native: NativeKernels | None | object = _UNRESOLVED
         self._layer_kernels: LayerKernels | None | object = _UNRESOLVED
+        # static decode pools by slot count, shared by this engine's views (one model)
+        self._decode_pools: dict[int, DecodePool] = {}
         self._decode_activations: str | None = None  # resolved on first use
         if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
             self._native = self._native_kernels(self.config)
@@ -573,7 +576,34 @@ class BlendEngine:
         :meth:`prepare_decode` once first."""
         total = len(prefill.prompt_ids) + max_new_tokens
         kv, activations = self.config.kv_cache_dtype, self.decode_activations
-        return decoder_for(self.model, self.layers, prefill, total, self.native, kv, activations)
+        return decoder_for(
+            self.model,
+            self.layers,
+            prefill,
+            total,
+            self.native,
+            kv,
+            activations,
+            self.decode_pool,
+            self.layer_kernels,
+        )
+
+    @property
+    def decode_pool(self) -> DecodePool | None:
+        """The static decode K/V pool this engine's decoders take slots of
+        (``BlendConfig.decode_slots``), made on first use; None where it is off."""
+        slots = self.config.decode_slots
+        if slots is None:
+            slots = 8 if self.layers.device.type != "cpu" else 0
+        if not slots:
+            return None
+        pool = self._decode_pools.get(slots)
+        if pool is None:
+            tokens = self.config.decode_pool_tokens
+            if self.layers.context_window:
+                tokens = min(tokens, self.layers.context_window)
+            pool = self._decode_pools[slots] = DecodePool(self.layers, slots, tokens)
+        return pool
 
     @property
     def decode_path(self) -> str:

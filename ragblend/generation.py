@@ -31,6 +31,8 @@ from ragblend.sampling import SamplingParams as SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from ragblend.decode_pool import DecodePool
+    from ragblend.fusion.layer_ops import LayerKernels
     from ragblend.fusion.native import NativeKernels
     from ragblend.models.adapters import LayerwiseModel
 
@@ -181,6 +183,8 @@ def decoder_for(
     kernels: NativeKernels | None = None,
     kv_cache_dtype: str = "auto",
     activations: str = "float",
+    pool: DecodePool | None = None,
+    layer_kernels: LayerKernels | None = None,
 ) -> LayerDecoder | HFDecoder:
     """A decoder after ``prefill`` with room for ``total_len`` tokens, in a cache of its own:
     given the model's ``layers`` adapter, a :class:`LayerDecoder` (one lean step per token, on
@@ -188,11 +192,21 @@ def decoder_for(
     ``decode_batch``); otherwise, or where that does not apply, an :class:`HFDecoder`, whose
     cache is HF's in the model's dtype whatever ``kv_cache_dtype`` says (one warning per
     process where it says ``"int8"``). Either multiplies a GGUF's quantized weights by
-    ``activations`` (``"float"`` or ``"int8"``, resolved: ``BlendEngine.decode_activations``)."""
+    ``activations`` (``"float"`` or ``"int8"``, resolved: ``BlendEngine.decode_activations``).
+    ``pool``, ``layer_kernels``: a layer-wise decoder's static slot and fused steps
+    (:class:`LayerDecoder`)."""
     if layers is not None:
         n = len(prefill.prompt_ids)
         lean = LayerDecoder.for_cache(
-            layers, prefill.cache, n, total_len, kernels, kv_cache_dtype, activations
+            layers,
+            prefill.cache,
+            n,
+            total_len,
+            kernels,
+            kv_cache_dtype,
+            activations,
+            pool,
+            layer_kernels,
         )
         if lean is not None:
             return lean

@@ -20,19 +20,26 @@ values along the head dim), the prompt's K/V quantized once when the decoder is 
 new token's as it is written; a step attends in fp32 over the dequantized values, through the
 native AVX2 kernel (``csrc/decode_attention_int8.cpp``) or, where it does not run, SDPA per
 request (:func:`ragblend.fusion.decode_q8.attend_q8_torch`).
+
+On a GPU (``BlendConfig.decode_slots``) the decoders' buffers are slots of one static
+:class:`~ragblend.decode_pool.DecodePool`, and a step of requests that share it writes and
+attends all of them in one call per layer, through the fused layer steps where the engine
+runs them (``BlendConfig.layer_kernels``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 
 from ragblend.config import KV_CACHE_DTYPES
+from ragblend.decode_pool import DecodePool
 from ragblend.errors import RagblendError
 from ragblend.fusion.decode_q8 import int8_attention, q8_buffer
+from ragblend.fusion.layer_ops import LayerKernels
 from ragblend.fusion.native import DecodeKernel, NativeKernels, native_kernels
 from ragblend.models.adapters import LayerwiseModel
 from ragblend.models.int8_decode import step_activations
@@ -63,6 +70,11 @@ class LayerDecoder:
     ``activations``: what a step multiplies a GGUF's quantized weights by, a resolved
     ``BlendConfig.decode_activations`` (``"float"`` or ``"int8"``:
     :func:`ragblend.models.int8_decode.step_activations`).
+
+    ``pool``: a :class:`~ragblend.decode_pool.DecodePool` to take a slot of (``auto`` K/V of
+    at most its capacity): the buffers are views of it, and a step of decoders that all hold
+    slots of one pool attends in one call (``slot`` is None where it had none free).
+    ``layer_kernels``: the fused layer steps (``BlendEngine.layer_kernels``) a step runs.
     """
 
     def __init__(
@@ -74,6 +86,8 @@ class LayerDecoder:
         kernels: NativeKernels | None = None,
         kv_cache_dtype: str = "auto",
         activations: str = "float",
+        pool: DecodePool | None = None,
+        layer_kernels: LayerKernels | None = None,
     ):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise RagblendError(
@@ -93,6 +107,12 @@ class LayerDecoder:
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
         self.capacity = capacity
+        self.layer_kernels = layer_kernels
+        self.pool: DecodePool | None = None
+        self.slot: int | None = None
+        if pool is not None and kv_cache_dtype == "auto" and capacity <= pool.capacity:
+            self.slot = pool.claim(self)
+            self.pool = pool if self.slot is not None else None
         if kv_cache_dtype == "int8":
             self.attend_q8 = int8_attention(layers, kernels)
             for k, v in prompt_kv:
@@ -105,9 +125,13 @@ class LayerDecoder:
                     scales.append(s)
             return
         p = self.position
-        for k, v in prompt_kv:
-            kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
-            vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
+        for i, (k, v) in enumerate(prompt_kv):
+            if self.pool is not None:
+                slot = slice(self.slot, cast(int, self.slot) + 1)
+                kb, vb = self.pool.keys[i][slot], self.pool.values[i][slot]
+            else:
+                kb = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
+                vb = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
             kb[..., p - k.shape[-2] : p, :].copy_(k)
             vb[..., p - v.shape[-2] : p, :].copy_(v)
             self.keys.append(kb)
@@ -123,6 +147,8 @@ class LayerDecoder:
         kernels: NativeKernels | None = None,
         kv_cache_dtype: str = "auto",
         activations: str = "float",
+        pool: DecodePool | None = None,
+        layer_kernels: LayerKernels | None = None,
     ) -> LayerDecoder | None:
         """A decoder over ``prompt_cache`` (an HF cache of ``prompt_len`` tokens) with room
         for ``total_len`` tokens, or None where it does not apply: a layer whose cache holds
@@ -141,7 +167,17 @@ class LayerDecoder:
             if k is None or v is None or k.shape[-2] != held or v.shape[-2] != held:
                 return None
             kv.append((k, v))
-        return cls(layers, kv, total_len, prompt_len, kernels, kv_cache_dtype, activations)
+        return cls(
+            layers,
+            kv,
+            total_len,
+            prompt_len,
+            kernels,
+            kv_cache_dtype,
+            activations,
+            pool,
+            layer_kernels,
+        )
 
     def step(self, token: int) -> torch.Tensor:
         """Feed ``token`` at the next position; fp32 logits [vocab] for the one after it."""
@@ -189,17 +225,28 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
     position_ids = torch.tensor(positions, device=device)
     ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
     kernels = decoders[0].kernels
+    fused = decoders[0].layer_kernels
     norm = m.native_norm(kernels)
     attend = decoders[0].attend
+    pool = decoders[0].pool
+    if pool is not None and any(d.pool is not pool for d in decoders):
+        pool = None  # some have buffers of their own: per request
+    slots = None if pool is None else torch.tensor([d.slot for d in decoders], device=device)
+    masks: dict[int | None, torch.Tensor] = {}  # one per window size, for the pool's call
     for i in range(m.num_layers):
         group = m.rope_group(i)
         if group not in ropes:
             ropes[group] = m.rope(position_ids, hidden, i)
         cos, sin = ropes[group]
-        proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm)
+        proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm, fused)
         window = m.sliding_window(i)
         if cache_dtypes[0] == "int8":
             out = _attend_q8(decoders, i, positions, proj.q, proj.k, proj.v, window, m.scaling(i))
+        elif pool is not None and slots is not None:
+            mask = masks.get(window)
+            if mask is None:
+                mask = masks[window] = pool.masks(slots, position_ids, window)
+            out = pool.attend(i, slots, position_ids, proj.q, proj.k, proj.v, mask, m.scaling(i))
         elif attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]
@@ -209,7 +256,7 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
             out = out.to(proj.q.dtype)
         else:
             out = _attend_each(m, i, decoders, positions, proj.q, proj.k, proj.v, window)
-        hidden = m.finish(i, hidden, out, norm)
+        hidden = m.finish(i, hidden, out, norm, fused)
     for d in decoders:
         d.position += 1
     return m.logits(hidden)

@@ -1,0 +1,118 @@
+"""A static K/V cache shared by the requests a GPU decodes together (gpt-fast's layout).
+
+Per layer, keys and values of up to ``slots`` requests live in one tensor [slots, Hkv,
+capacity, d]; each request's :class:`~ragblend.layer_decode.LayerDecoder` claims a slot and
+its buffers are views of it. A decode step of requests that share a pool then writes every
+new K/V row with one scatter per tensor and attends all of them in **one** SDPA call over the
+pool (each slot's query row masked to its own positions, a sliding window's too), where the
+per-request path launches two copies and one SDPA per request and layer: the step's launches
+no longer grow with the batch, and its shapes are static (what a CUDA graph needs).
+
+Slots that are not in the step attend one key of their own (a row nobody reads), so every
+row of the SDPA call is finite. A slot is given back when its decoder is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ragblend.models.adapters import LayerwiseModel
+
+
+class DecodePool:
+    """Static K/V for up to ``slots`` requests of up to ``capacity`` tokens each."""
+
+    def __init__(
+        self,
+        layers: LayerwiseModel,
+        slots: int,
+        capacity: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if slots < 1 or capacity < 1:
+            raise ValueError(
+                f"a decode pool needs slots and capacity >= 1, got {slots}, {capacity}"
+            )
+        self.layers = layers
+        self.slots = slots
+        self.capacity = capacity
+        dtype = dtype or layers.dtype
+        device = device or layers.device
+        shape = (slots, layers.num_kv_heads, capacity, layers.head_dim)
+        self.keys = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers.num_layers)
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.key_positions = torch.arange(capacity, device=device)
+        self._heads = torch.arange(layers.num_kv_heads, device=device).view(1, -1)
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def claim(self, owner: object) -> int | None:
+        """A free slot for ``owner`` (given back when ``owner`` is garbage-collected), or None
+        when every slot is taken."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop(0)
+        weakref.finalize(owner, self._release, slot)
+        return slot
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+            self._free.sort()
+
+    def masks(
+        self, slots: torch.Tensor, positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """Bool [slots, 1, 1, capacity]: the keys each slot's query row attends in this step
+        (``slots``/``positions`` [B] int64: the stepping slots and their new positions; the
+        others attend their key 0)."""
+        last = torch.zeros(self.slots, dtype=positions.dtype, device=positions.device)
+        last.index_copy_(0, slots, positions)
+        keys = self.key_positions.view(1, -1)
+        allowed = keys <= last.view(-1, 1)
+        if window is not None:
+            allowed &= keys > (last - int(window)).view(-1, 1)
+        return allowed.view(self.slots, 1, 1, -1)
+
+    def attend(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write the step's new K/V rows at (slot, position) and attend them all at once:
+        q [1, H, B, d], k_new / v_new [1, Hkv, B, d], ``mask`` from :meth:`masks` →
+        [1, B, H*d]."""
+        keys, values = self.keys[layer], self.values[layer]
+        at = (slots.view(-1, 1), self._heads, positions.view(-1, 1))  # [B, Hkv] index grid
+        keys.index_put_(at, k_new[0].transpose(0, 1))
+        values.index_put_(at, v_new[0].transpose(0, 1))
+        heads, batch = q.shape[1], q.shape[2]
+        rows = q.new_zeros(self.slots, heads, 1, q.shape[-1])
+        rows.index_copy_(0, slots, q[0].transpose(0, 1).unsqueeze(2))
+        out = F.scaled_dot_product_attention(
+            rows,
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=heads != keys.shape[1],
+        )
+        return out.index_select(0, slots).view(1, batch, -1)
