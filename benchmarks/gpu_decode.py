@@ -211,6 +211,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dic
         "path": pool.path,
         "decode_path": engine.decode_path,
         "native_attention": bool(pool.batched and pool.made[0].attend is not None),
+        # the static decode pool's slots the batch steps in (0: a buffer per request)
+        "decode_slots": getattr(getattr(pool.made[0], "pool", None), "slots", 0),
         "build_s": round(build_s, 3),
         "prefill_ms": round(prefill_ms, 3),
         "batches": table,

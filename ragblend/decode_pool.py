@@ -4,11 +4,11 @@ Per layer, keys and values of up to ``slots`` requests live in one tensor [slots
 capacity, d]; each request's :class:`~ragblend.layer_decode.LayerDecoder` claims a slot and
 its buffers are views of it. A decode step of requests that share a pool then writes every
 new K/V row with one scatter per tensor and attends all of them in **one** SDPA call over the
-pool (each slot's query row masked to its own positions, a sliding window's too), where the
-per-request path launches two copies and one SDPA per request and layer: the step's launches
-no longer grow with the batch, and its shapes are static (what a CUDA graph needs).
+slots from the lowest to the highest stepping one (a view, each query row masked to its own
+positions, a sliding window's too), where the per-request path launches two copies and one
+SDPA per request and layer: the step's launches no longer grow with the batch.
 
-Slots that are not in the step attend one key of their own (a row nobody reads), so every
+Slots inside that span that are not in the step attend key 0 (a row nobody reads), so every
 row of the SDPA call is finite. A slot is given back when its decoder is garbage-collected.
 """
 
@@ -73,23 +73,24 @@ class DecodePool:
             self._free.sort()
 
     def masks(
-        self, slots: torch.Tensor, positions: torch.Tensor, window: int | None
+        self, span: slice, rows: torch.Tensor, positions: torch.Tensor, window: int | None
     ) -> torch.Tensor:
-        """Bool [slots, 1, 1, capacity]: the keys each slot's query row attends in this step
-        (``slots``/``positions`` [B] int64: the stepping slots and their new positions; the
-        others attend their key 0)."""
-        last = torch.zeros(self.slots, dtype=positions.dtype, device=positions.device)
-        last.index_copy_(0, slots, positions)
+        """Bool [span's slots, 1, 1, capacity]: the keys each slot's query row of ``span``
+        attends in this step (``rows``/``positions`` [B] int64: the stepping slots, counted
+        from the span's first, and their new positions; the span's others attend key 0)."""
+        last = torch.zeros(span.stop - span.start, dtype=positions.dtype, device=positions.device)
+        last.index_copy_(0, rows, positions)
         keys = self.key_positions.view(1, -1)
         allowed = keys <= last.view(-1, 1)
         if window is not None:
             allowed &= keys > (last - int(window)).view(-1, 1)
-        return allowed.view(self.slots, 1, 1, -1)
+        return allowed.view(last.shape[0], 1, 1, -1)
 
     def attend(
         self,
         layer: int,
-        slots: torch.Tensor,
+        span: slice,
+        rows: torch.Tensor,
         positions: torch.Tensor,
         q: torch.Tensor,
         k_new: torch.Tensor,
@@ -97,22 +98,28 @@ class DecodePool:
         mask: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Write the step's new K/V rows at (slot, position) and attend them all at once:
-        q [1, H, B, d], k_new / v_new [1, Hkv, B, d], ``mask`` from :meth:`masks` →
-        [1, B, H*d]."""
-        keys, values = self.keys[layer], self.values[layer]
-        at = (slots.view(-1, 1), self._heads, positions.view(-1, 1))  # [B, Hkv] index grid
+        """Write the step's new K/V rows at (slot, position) and attend them all in one call
+        over the slots of ``span`` (a view: the lowest to the highest stepping slot, so a
+        batch of slots 0…B-1 reads only its own): q [1, H, B, d], k_new / v_new
+        [1, Hkv, B, d], ``rows`` and ``mask`` as for :meth:`masks` → [1, B, H*d]."""
+        keys, values = self.keys[layer][span], self.values[layer][span]
+        at = (rows.view(-1, 1), self._heads, positions.view(-1, 1))  # [B, Hkv] index grid
         keys.index_put_(at, k_new[0].transpose(0, 1))
         values.index_put_(at, v_new[0].transpose(0, 1))
         heads, batch = q.shape[1], q.shape[2]
-        rows = q.new_zeros(self.slots, heads, 1, q.shape[-1])
-        rows.index_copy_(0, slots, q[0].transpose(0, 1).unsqueeze(2))
+        if batch == keys.shape[0]:  # every slot of the span steps: the rows are in order
+            queries = q[0].transpose(0, 1).unsqueeze(2)
+        else:
+            queries = q.new_zeros(keys.shape[0], heads, 1, q.shape[-1])
+            queries.index_copy_(0, rows, q[0].transpose(0, 1).unsqueeze(2))
         out = F.scaled_dot_product_attention(
-            rows,
+            queries,
             keys,
             values,
             attn_mask=mask,
             scale=scale,
             enable_gqa=heads != keys.shape[1],
         )
-        return out.index_select(0, slots).view(1, batch, -1)
+        if batch != keys.shape[0]:
+            out = out.index_select(0, rows)
+        return out.reshape(1, batch, -1)

@@ -231,7 +231,11 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
     pool = decoders[0].pool
     if pool is not None and any(d.pool is not pool for d in decoders):
         pool = None  # some have buffers of their own: per request
-    slots = None if pool is None else torch.tensor([d.slot for d in decoders], device=device)
+    span, rows = slice(0), None
+    if pool is not None:  # the slots from the lowest to the highest stepping one
+        taken = [cast(int, d.slot) for d in decoders]
+        span = slice(min(taken), max(taken) + 1)
+        rows = torch.tensor([t - span.start for t in taken], device=device)
     masks: dict[int | None, torch.Tensor] = {}  # one per window size, for the pool's call
     for i in range(m.num_layers):
         group = m.rope_group(i)
@@ -242,11 +246,12 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
         window = m.sliding_window(i)
         if cache_dtypes[0] == "int8":
             out = _attend_q8(decoders, i, positions, proj.q, proj.k, proj.v, window, m.scaling(i))
-        elif pool is not None and slots is not None:
+        elif pool is not None and rows is not None:
             mask = masks.get(window)
             if mask is None:
-                mask = masks[window] = pool.masks(slots, position_ids, window)
-            out = pool.attend(i, slots, position_ids, proj.q, proj.k, proj.v, mask, m.scaling(i))
+                mask = masks[window] = pool.masks(span, rows, position_ids, window)
+            qkv = (proj.q, proj.k, proj.v)
+            out = pool.attend(i, span, rows, position_ids, *qkv, mask, m.scaling(i))
         elif attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]

@@ -60,6 +60,18 @@ def test_pooled_batch_steps_equal_per_request_decoding(family, window, tokenizer
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_a_step_of_slots_with_a_gap_masks_the_slot_between(tokenizer):
+    pooled, own = _engines("qwen3", tokenizer)
+    prefills = _prefills(pooled)
+    held = [pooled.decoder(p, 4) for p in prefills]
+    stepping = [held[0], held[2]]  # slots 0 and 2: slot 1 in the span, not in the step
+    mine = [own.decoder(prefills[0], 4), own.decoder(prefills[2], 4)]
+    for token in (7, 11):
+        got, want = decode_batch(stepping, [token] * 2), decode_batch(mine, [token] * 2)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert held[1].position == len(prefills[1].prompt_ids)  # untouched
+
+
 def test_a_pooled_step_launches_the_same_kernels_for_any_batch(tokenizer):
     pooled, _ = _engines("llama", tokenizer)
     prefills = _prefills(pooled, n=4)
