@@ -10,8 +10,10 @@
 #   1. the CUDA tests (tests/test_gpu_paths.py, tests/test_pipeline.py; on a CPU they skip
 #      their CUDA cases and run the rest);
 #   2. benchmarks/gpu_bench.py on mistral-7b (6x512 and 12x512) and llama-3.1-8b (6x512),
-#      bf16, KV from pinned RAM, disk and the GPU, blend at r=0.15 and ratio="auto";
-#   3. benchmarks/gpu_decode.py: decode tok/s at 1 and 8 streams (mistral-7b);
+#      bf16, KV from pinned RAM, disk and the GPU, blend at r=0.15 and ratio="auto", reuse
+#      and blend again with the fused layer steps (Triton kernels) in the same rounds;
+#   3. benchmarks/gpu_decode.py: decode tok/s at 1 and 8 streams (mistral-7b), the static
+#      decode pool eagerly and from its CUDA graph with the fused steps;
 #   4. benchmarks/gpu_profile.py: one prefill per mode under torch.profiler (launches, syncs,
 #      host vs device time);
 #   5. benchmarks/gpu_summary.py: the table of all of it beside the targets (summary.md).
@@ -73,12 +75,12 @@ if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu; DTYPE=float32; SHAPES=(tiny); DECODE_SHAPE=tiny
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
     BENCH_ARGS=(--layouts 3x48,2x96 --tiers ram,disk --ratios 0.15 --repeats 2 --skip-rates --fused)
-    DECODE_ARGS=(--prompt-tokens 256 --steps 8 --repeats 2)
+    DECODE_ARGS=(--prompt-tokens 256 --steps 8 --repeats 2 --cuda-graphs)
     PROFILE_ARGS=(--layout 3x48)
 else
     DEVICE=cuda; DTYPE=bfloat16; SHAPES=(mistral-7b llama-3.1-8b); DECODE_SHAPE=mistral-7b
     BENCH_ARGS=(--tiers ram,disk,device --ratios 0.15 --repeats 3 --skip-rates --attn-keys 3072 --fused)
-    DECODE_ARGS=(--prompt-tokens 3157 --steps 32 --repeats 3)
+    DECODE_ARGS=(--prompt-tokens 3157 --steps 32 --repeats 3 --cuda-graphs)
     PROFILE_ARGS=(--layout 6x512)
 fi
 

@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time the decode pool's CUDA-graph step with the fused layer steps "
+        "(cuda_graphs=True, layer_kernels='fused'), interleaved with the eager step: 'graph'",
+    )
+    ap.add_argument(
         "--out", default="out/gpu_decode", help="output directory (default out/gpu_decode)"
     )
     args = ap.parse_args(argv)
@@ -175,15 +181,20 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dic
         flush=True,
     )
     times: dict[int, list[float]] = {b: [] for b in batches}
+    graph = None  # (decoders, times) of the CUDA-graph step, timed in the same rounds
+    if args.cuda_graphs:
+        view = engine.with_config(cuda_graphs=True, layer_kernels="fused")
+        graph = (Decoders(view, prefill, max(batches), room), {b: [] for b in batches})
     for repeat in range(args.warmup + args.repeats):
         for b in batches:
-            decoders = pool.reset(b)
-            sync(device)
-            t0 = time.perf_counter()
-            pool.run(decoders, args.steps)
-            sync(device)
-            if repeat >= args.warmup:
-                times[b].append((time.perf_counter() - t0) / args.steps * 1e3)
+            for decoders_of, timed in ((pool, times), *([graph] if graph else [])):
+                decoders = decoders_of.reset(b)
+                sync(device)
+                t0 = time.perf_counter()
+                decoders_of.run(decoders, args.steps)
+                sync(device)
+                if repeat >= args.warmup:
+                    timed[b].append((time.perf_counter() - t0) / args.steps * 1e3)
 
     alone = pool.run(pool.reset(1), CHECK_TOKENS)[0]
     equal: dict[str, bool] = {}
@@ -191,17 +202,7 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dic
         rows = alone if b == 1 else pool.run(pool.reset(b), CHECK_TOKENS)
         equal[str(b)] = b == 1 or all(row == alone for row in rows)
 
-    ms = {b: statistics.median(times[b]) for b in batches}
-    rate_one = 1e3 / ms[1]
-    table = {}
-    for b in batches:
-        rate = b * 1e3 / ms[b]
-        table[str(b)] = {
-            "ms_per_step": round(ms[b], 4),
-            "tokens_per_s": round(rate, 3),
-            "ratio": round(rate / rate_one, 4),
-            "ms_per_step_repeats": [round(t, 4) for t in times[b]],
-        }
+    table = rate_table(times)
     info = {
         "device": str(device),
         "dtype": args.dtype,
@@ -219,12 +220,41 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dic
         "batched_equals_alone": equal,
         "alone_tokens": alone,
     }
+    if graph is not None:
+        decoders_of, graph_times = graph
+        made = decoders_of.made[0]
+        graph_pool = getattr(made, "pool", None)
+        graph_alone = decoders_of.run(decoders_of.reset(1), CHECK_TOKENS)[0]
+        info["graph"] = {
+            "batches": rate_table(graph_times),
+            # False where the capture failed and the step ran eagerly (one warning logged)
+            "cuda_graphs_active": bool(graph_pool is not None and graph_pool.cuda_graphs),
+            "layer_kernels": getattr(made.layer_kernels, "impl", None),
+            "alone_tokens_equal_eager": graph_alone == alone,
+        }
+        del graph, decoders_of, made, graph_pool
     del pool, prefill, engine, model
     gc.collect()
     peak = peak_memory(device)
     if peak is not None:
         info["max_memory_allocated_bytes"] = peak
     return info
+
+
+def rate_table(times: dict[int, list[float]]) -> dict[str, dict]:
+    """Per batch size: median ms per step, tokens/s and the ratio to one stream's rate."""
+    ms = {b: statistics.median(t) for b, t in times.items()}
+    rate_one = 1e3 / ms[1]
+    table = {}
+    for b in sorted(times):
+        rate = b * 1e3 / ms[b]
+        table[str(b)] = {
+            "ms_per_step": round(ms[b], 4),
+            "tokens_per_s": round(rate, 3),
+            "ratio": round(rate / rate_one, 4),
+            "ms_per_step_repeats": [round(t, 4) for t in times[b]],
+        }
+    return table
 
 
 def print_table(shape: str, info: dict) -> None:
@@ -235,6 +265,14 @@ def print_table(shape: str, info: dict) -> None:
             f"  {b:>4} {row['ms_per_step']:>10.3f} {row['tokens_per_s']:>11.1f} "
             f"{row['ratio']:>7.2f}  {info['batched_equals_alone'][b]}"
         )
+    graph = info.get("graph")
+    if graph is not None:
+        print(f"  CUDA graph step (active: {graph['cuda_graphs_active']}):")
+        for b, row in graph["batches"].items():
+            print(
+                f"  {b:>4} {row['ms_per_step']:>10.3f} {row['tokens_per_s']:>11.1f} "
+                f"{row['ratio']:>7.2f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict:

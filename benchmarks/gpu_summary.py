@@ -93,16 +93,21 @@ def target_rows(benches: dict[str, dict[str, Any]], decode: dict | None, smoke: 
                         f"| {check} |"
                     )
     for shape, result in (decode or {}).get("shapes", {}).items():
-        batches = result.get("batches", {})
-        one = batches.get("1", {}).get("tokens_per_s")
-        eight = batches.get("8", {}).get("ratio")
-        for what, value, bound in (
-            ("decode, 1 stream, tok/s", one, DECODE_ONE_STREAM),
-            ("decode, 8 streams / 1", eight, DECODE_EIGHT_RATIO),
-        ):
-            shown = "—" if value is None else f"{value:.2f}"
-            check = verdict(value, ">=", bound, smoke)
-            rows.append(f"| {what} | {shape} | {shown} | >= {bound} | {check} |")
+        graph = result.get("graph")
+        steps = [("", result.get("batches", {}))]
+        if graph is not None:  # the pool's CUDA-graph step, if it was captured
+            active = "" if graph.get("cuda_graphs_active") else ", capture failed: eager"
+            steps.append((f" (CUDA graph{active})", graph.get("batches", {})))
+        for label, batches in steps:
+            one = batches.get("1", {}).get("tokens_per_s")
+            eight = batches.get("8", {}).get("ratio")
+            for what, value, bound in (
+                ("decode, 1 stream, tok/s", one, DECODE_ONE_STREAM),
+                ("decode, 8 streams / 1", eight, DECODE_EIGHT_RATIO),
+            ):
+                shown = "—" if value is None else f"{value:.2f}"
+                check = verdict(value, ">=", bound, smoke)
+                rows.append(f"| {what}{label} | {shape} | {shown} | >= {bound} | {check} |")
     return rows
 
 

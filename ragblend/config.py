@@ -115,6 +115,10 @@ class BlendConfig:
         request, the native CPU kernels' layout) on a CPU. A request that finds no free slot,
         or needs more than the pool's tokens (``decode_pool_tokens``), gets its own buffers.
     decode_pool_tokens: the tokens (prompt + answer) a pool slot holds (default 4096).
+    cuda_graphs: replay a decode pool's step from a CUDA graph (``ragblend.decode_graph``;
+        one launch of host time per step instead of hundreds) on a GPU. Off by default until
+        a GPU run of ``benchmarks/gpu_check.sh`` has checked it; a capture that fails falls
+        back to eager steps with one warning.
     kv_cache_dtype: the decode-time K/V cache (the prompt's K/V copied for decoding and every
         generated token's): ``"auto"`` (the model's dtype) or ``"int8"`` (8-bit codes with
         scales, half of bf16's bytes for each decode step to read). The chunk KV store and
@@ -161,6 +165,7 @@ class BlendConfig:
     kv_cache_dtype: KvCacheDtype = "auto"
     decode_slots: int | None = None
     decode_pool_tokens: int = 4096
+    cuda_graphs: bool = False
     ram_bytes: int = 4 << 30
     extra: dict = field(default_factory=dict)
 

@@ -14,13 +14,23 @@ row of the SDPA call is finite. A slot is given back when its decoder is garbage
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ragblend.models.adapters import LayerwiseModel
+
+if TYPE_CHECKING:
+    from ragblend.decode_graph import DecodeGraph
+    from ragblend.fusion.layer_ops import LayerKernels
+    from ragblend.fusion.native import NativeKernels
+
+log = logging.getLogger(__name__)
 
 
 class DecodePool:
@@ -33,6 +43,7 @@ class DecodePool:
         capacity: int,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if slots < 1 or capacity < 1:
             raise ValueError(
@@ -43,15 +54,88 @@ class DecodePool:
         self.capacity = capacity
         dtype = dtype or layers.dtype
         device = device or layers.device
-        shape = (slots, layers.num_kv_heads, capacity, layers.head_dim)
+        # one column more than a slot holds: where a CUDA graph's idle rows write
+        shape = (slots, layers.num_kv_heads, capacity + 1, layers.head_dim)
         self.keys = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers.num_layers)
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.key_positions = torch.arange(capacity, device=device)
+        self.key_positions = torch.arange(capacity + 1, device=device)
+        self.cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
+        self._graphs: dict[tuple[object, object], DecodeGraph] = {}
         self._heads = torch.arange(layers.num_kv_heads, device=device).view(1, -1)
         self._free = list(range(slots))
         self._lock = threading.Lock()
+
+    def step(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        kernels: NativeKernels | None = None,
+        fused: LayerKernels | None = None,
+    ) -> torch.Tensor:
+        """One decode step of the requests in ``slots`` (fed ``tokens`` at ``positions``):
+        fp32 logits [B, vocab]. A CUDA graph of the whole step where ``cuda_graphs`` is on
+        (:mod:`ragblend.decode_graph`), else :meth:`forward` over their span of slots."""
+        if self.cuda_graphs:
+            graph = self._graph(kernels, fused)
+            if graph is not None:
+                return graph.replay(tokens, positions, slots)
+        device = self.keys[0].device
+        span = slice(min(slots), max(slots) + 1)
+        rows = torch.tensor([s - span.start for s in slots], device=device)
+        ids = torch.tensor(list(tokens), device=device)
+        at = torch.tensor(list(positions), device=device)
+        return self.forward(ids, at, rows, span, kernels, fused)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        span: slice,
+        kernels: NativeKernels | None = None,
+        fused: LayerKernels | None = None,
+    ) -> torch.Tensor:
+        """The step's layers on device tensors only (what a CUDA graph records): ``tokens``,
+        ``positions``, ``rows`` [B] int64 (rows counted from ``span``'s first slot) → fp32
+        logits [B, vocab]. ``kernels``/``fused``: the native CPU or fused layer steps."""
+        m = self.layers
+        hidden = m.embed(tokens)
+        norm = m.native_norm(kernels)
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[int | None, torch.Tensor] = {}  # one per window size
+        for i in range(m.num_layers):
+            group = m.rope_group(i)
+            if group not in ropes:
+                ropes[group] = m.rope(positions, hidden, i)
+            cos, sin = ropes[group]
+            proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm, fused)
+            window = m.sliding_window(i)
+            mask = masks.get(window)
+            if mask is None:
+                mask = masks[window] = self.masks(span, rows, positions, window)
+            qkv = (proj.q, proj.k, proj.v)
+            out = self.attend(i, span, rows, positions, *qkv, mask, m.scaling(i))
+            hidden = m.finish(i, hidden, out, norm, fused)
+        return m.logits(hidden)
+
+    def _graph(
+        self, kernels: NativeKernels | None, fused: LayerKernels | None
+    ) -> DecodeGraph | None:
+        key = (kernels, fused)
+        graph = self._graphs.get(key)
+        if graph is None:
+            from ragblend.decode_graph import DecodeGraph
+
+            try:
+                graph = self._graphs[key] = DecodeGraph(self, kernels, fused)
+            except Exception as exc:  # capture unsupported by a step on this device
+                log.warning("no CUDA graph of the decode step (%s); decoding eagerly", exc)
+                self.cuda_graphs = False
+                return None
+        return graph
 
     @property
     def free_slots(self) -> int:

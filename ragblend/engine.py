@@ -89,8 +89,8 @@ class BlendEngine:
         self.selector: TokenSelector = make_selector(self.config)
         self._native: NativeKernels | None | object = _UNRESOLVED
         self._layer_kernels: LayerKernels | None | object = _UNRESOLVED
-        # static decode pools by slot count, shared by this engine's views (one model)
-        self._decode_pools: dict[int, DecodePool] = {}
+        # static decode pools by (slots, tokens, CUDA graphs), shared by this engine's views
+        self._decode_pools: dict[tuple[int, int, bool], DecodePool] = {}
         self._decode_activations: str | None = None  # resolved on first use
         if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
             self._native = self._native_kernels(self.config)
@@ -597,12 +597,16 @@ class BlendEngine:
             slots = 8 if self.layers.device.type != "cpu" else 0
         if not slots:
             return None
-        pool = self._decode_pools.get(slots)
+        tokens = self.config.decode_pool_tokens
+        if self.layers.context_window:
+            tokens = min(tokens, self.layers.context_window)
+        key = (slots, tokens, self.config.cuda_graphs)
+        pool = self._decode_pools.get(key)
         if pool is None:
-            tokens = self.config.decode_pool_tokens
-            if self.layers.context_window:
-                tokens = min(tokens, self.layers.context_window)
-            pool = self._decode_pools[slots] = DecodePool(self.layers, slots, tokens)
+            graphs = self.config.cuda_graphs
+            pool = self._decode_pools[key] = DecodePool(
+                self.layers, slots, tokens, cuda_graphs=graphs
+            )
         return pool
 
     @property

@@ -221,22 +221,20 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
             raise IndexError(f"the decode buffer holds {d.capacity} tokens")
     device = decoders[0].keys[0].device
     positions = [d.position for d in decoders]
+    kernels = decoders[0].kernels
+    fused = decoders[0].layer_kernels
+    pool = decoders[0].pool
+    if pool is not None and all(d.pool is pool for d in decoders):
+        slots = [cast(int, d.slot) for d in decoders]  # one call per layer for them all
+        logits = pool.step(list(tokens), positions, slots, kernels, fused)
+        for d in decoders:
+            d.position += 1
+        return logits
     hidden = m.embed(torch.tensor(list(tokens), device=device))
     position_ids = torch.tensor(positions, device=device)
     ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
-    kernels = decoders[0].kernels
-    fused = decoders[0].layer_kernels
     norm = m.native_norm(kernels)
     attend = decoders[0].attend
-    pool = decoders[0].pool
-    if pool is not None and any(d.pool is not pool for d in decoders):
-        pool = None  # some have buffers of their own: per request
-    span, rows = slice(0), None
-    if pool is not None:  # the slots from the lowest to the highest stepping one
-        taken = [cast(int, d.slot) for d in decoders]
-        span = slice(min(taken), max(taken) + 1)
-        rows = torch.tensor([t - span.start for t in taken], device=device)
-    masks: dict[int | None, torch.Tensor] = {}  # one per window size, for the pool's call
     for i in range(m.num_layers):
         group = m.rope_group(i)
         if group not in ropes:
@@ -246,12 +244,6 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
         window = m.sliding_window(i)
         if cache_dtypes[0] == "int8":
             out = _attend_q8(decoders, i, positions, proj.q, proj.k, proj.v, window, m.scaling(i))
-        elif pool is not None and rows is not None:
-            mask = masks.get(window)
-            if mask is None:
-                mask = masks[window] = pool.masks(span, rows, position_ids, window)
-            qkv = (proj.q, proj.k, proj.v)
-            out = pool.attend(i, span, rows, position_ids, *qkv, mask, m.scaling(i))
         elif attend is not None:
             keys = [d.keys[i] for d in decoders]
             values = [d.values[i] for d in decoders]

@@ -126,3 +126,15 @@ def test_decode_pool_settings_are_checked(tokenizer):
         BlendConfig(decode_pool_tokens=0)
     engine = engine_for(tiny_model("llama"), tokenizer)
     assert engine.decode_pool is None  # off on a CPU by default
+
+
+def test_cuda_graphs_are_for_cuda_pools_only(tokenizer):
+    from ragblend.decode_graph import DecodeGraph
+    from ragblend.decode_pool import DecodePool
+
+    pooled, _ = _engines("llama", tokenizer)
+    graphs = pooled.with_config(cuda_graphs=True)
+    pool = graphs.decode_pool
+    assert pool is not None and pool is not pooled.decode_pool and not pool.cuda_graphs
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device, the pool is on cpu"):
+        DecodeGraph(DecodePool(pooled.layers, 2, 16))

@@ -132,6 +132,39 @@ def test_cuda_fused_layer_steps_at_ratio_one_match_hf_full_prefill(
 
 
 @needs_cuda
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
+def test_cuda_pooled_decoding_equals_per_request_decoding(family, graphs, tokenizer, strict_fp32):
+    """The static decode pool (a GPU's default) and its CUDA graph (opt-in) against a buffer
+    per request: the same greedy tokens, logits to fp32 rounding."""
+    from ragblend.layer_decode import decode_batch
+
+    model = tiny_model(family).cuda()
+    pooled = engine_for(model, tokenizer, device="cuda", decode_pool_tokens=512, cuda_graphs=graphs)
+    own = pooled.with_config(decode_slots=0)
+    pooled.precompute(CHUNKS)
+    prompts = [pooled.tokenize(QUESTION[: 20 + 9 * i], CHUNKS[: 1 + i % 2]) for i in range(3)]
+    prefills = [pooled.prefill(p, "full") for p in prompts]
+
+    def greedy(engine):
+        decoders = [engine.decoder(p, 6) for p in prefills]
+        tokens, rows = [int(p.logits.argmax()) for p in prefills], []
+        for _ in range(6):
+            logits = decode_batch(decoders, tokens)
+            rows.append(logits)
+            tokens = logits.argmax(-1).tolist()
+        return decoders, torch.stack(rows)
+
+    decoders, got = greedy(pooled)
+    pool = pooled.decode_pool
+    assert pool is not None and all(d.pool is pool for d in decoders)
+    assert pool.cuda_graphs == graphs  # a failed capture would have turned it off
+    _, want = greedy(own)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_cuda
 @pytest.mark.parametrize("tier", ["pinned-ram", "disk"])
 def test_cuda_ratio_one_and_reuse_from_host_tiers(tier, tokenizer, tmp_path, strict_fp32):
     """KV in pinned host memory (plain H2D copies) or on disk (pipelined CUDA stager)."""
