@@ -32,7 +32,7 @@ redis-server:
 	@command -v redis-server >/dev/null || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
-# ragblend.fusion.native compiles its CPU kernel on first use with the system C++ compiler.
+# ragblend.fusion.cpu.native compiles its CPU kernel on first use with the system C++ compiler.
 compiler:
 	@command -v c++ >/dev/null || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; }

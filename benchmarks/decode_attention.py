@@ -4,7 +4,7 @@ For a model's attention shape (query heads, KV heads, head dim, layers), B reque
 its own ``--context`` keys of random bf16 K/V per layer (distinct buffers per layer and
 request, as a step reads them: from memory, not cache), the time of one decode step's
 attention (every layer's call) for each build this CPU runs
-(:func:`ragblend.fusion.native.decode_builds`):
+(:func:`ragblend.fusion.cpu.native.decode_builds`):
 
 - ``fp32_avx2``: fp32 math, bf16 widened, 8 lanes (the fp32 kernels' own build);
 - ``fp32_avx512``: the same at 16 lanes (``avx512`` and above);
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ragblend import cpu
-from ragblend.fusion.native import decode_builds
+from ragblend.fusion.cpu.native import decode_builds
 
 # name -> (query heads, KV heads, head dim, layers)
 SHAPES = {

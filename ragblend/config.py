@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.layer_ops import LayerKernelsChoice, check_layer_kernels
-from ragblend.fusion.native import RowAttention, check_row_attention
+from ragblend.fusion.cpu.native import RowAttention, check_row_attention
+from ragblend.fusion.cuda.layer_ops import LayerKernelsChoice, check_layer_kernels
 from ragblend.models.gguf import Weights, check_weights
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
@@ -93,12 +93,12 @@ class BlendConfig:
         path also runs RoPE and Llama-family RMSNorms in one pass each (HF's values bit for
         bit), and decode steps' attention for all running requests in one call (over fp32 or
         bf16 K/V). See
-        ``ragblend.fusion.native``.
+        ``ragblend.fusion.cpu.native``.
     layer_kernels: the kernels of a fused prefill's layer steps where ragblend's native CPU
         kernels do not run (a GPU, or ``row_attention="masked"``/``"sdpa"``): ``"hf"`` (HF's
         modules: six kernels per RMSNorm, five per RoPE), ``"fused"`` (one registered op per
         norm, residual add + norm, RoPE of q and k, in-place RoPE of the cached keys, K/V
-        scatter and SiLU product, ``ragblend.fusion.layer_ops``: Triton kernels on CUDA,
+        scatter and SiLU product, ``ragblend.fusion.cuda.layer_ops``: Triton kernels on CUDA,
         checked against torch references of HF's arithmetic when they load; those references
         elsewhere) or ``"auto"`` (``"hf"`` until a GPU run of ``benchmarks/gpu_check.sh`` has
         checked the Triton kernels).

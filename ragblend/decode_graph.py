@@ -23,8 +23,8 @@ import torch
 
 if TYPE_CHECKING:
     from ragblend.decode_pool import DecodePool
-    from ragblend.fusion.layer_ops import LayerKernels
-    from ragblend.fusion.native import NativeKernels
+    from ragblend.fusion.cpu.native import NativeKernels
+    from ragblend.fusion.cuda.layer_ops import LayerKernels
 
 
 class DecodeGraph:

@@ -27,8 +27,8 @@ from ragblend.models.adapters import LayerwiseModel
 
 if TYPE_CHECKING:
     from ragblend.decode_graph import DecodeGraph
-    from ragblend.fusion.layer_ops import LayerKernels
-    from ragblend.fusion.native import NativeKernels
+    from ragblend.fusion.cpu.native import NativeKernels
+    from ragblend.fusion.cuda.layer_ops import LayerKernels
 
 log = logging.getLogger(__name__)
 

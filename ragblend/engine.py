@@ -17,9 +17,10 @@ from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
 from ragblend.decode_pool import DecodePool
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
+from ragblend.fusion.cpu.native import NativeKernels, native_kernels
+from ragblend.fusion.cuda.layer_ops import LayerKernels
+from ragblend.fusion.cuda.loading import layer_kernels
 from ragblend.fusion.fusor import fuse
-from ragblend.fusion.layer_ops import LayerKernels, layer_kernels
-from ragblend.fusion.native import NativeKernels, native_kernels
 from ragblend.fusion.selection import make_selector
 from ragblend.fusion.selectors import TokenSelector
 from ragblend.generation import (
@@ -178,7 +179,7 @@ class BlendEngine:
 
     @property
     def native(self) -> NativeKernels | None:
-        """The native CPU kernels blend runs on (:mod:`ragblend.fusion.native`), or None for
+        """The native CPU kernels blend runs on (:mod:`ragblend.fusion.cpu.native`), or None for
         SDPA blocks. Built on first use, so engines that only precompute (warmup jobs, Ray
         actors) never compile or load them."""
         if self._native is _UNRESOLVED:

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ragblend.decode_pool import DecodePool
-    from ragblend.fusion.layer_ops import LayerKernels
-    from ragblend.fusion.native import NativeKernels
+    from ragblend.fusion.cpu.native import NativeKernels
+    from ragblend.fusion.cuda.layer_ops import LayerKernels
     from ragblend.models.adapters import LayerwiseModel
 
 log = logging.getLogger(__name__)

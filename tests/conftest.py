@@ -10,6 +10,10 @@ import torch
 torch.set_num_threads(min(2, torch.get_num_threads()))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton's kernels run in its interpreter on CPU tensors (tests/test_triton_layer.py);
+    # triton fixes the mode when it is first imported (transformers imports it), so here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import FAMILIES, tiny_config, tiny_model  # noqa: E402,F401 (tests import them here)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import FAMILIES, engine_for, tiny_model
 
-from ragblend.fusion.native import native_kernels
+from ragblend.fusion.cpu.native import native_kernels
 from ragblend.layer_decode import DecodeAttention, LayerDecoder, decode_attention, decode_batch
 from ragblend.models.packed import cpu_packs, pack_decode_linears
 

@@ -12,7 +12,7 @@ from conftest import CHUNKS, QUESTION
 
 from ragblend.cli import build_parser
 from ragblend.errors import RagblendError
-from ragblend.fusion.decode_q8 import (
+from ragblend.fusion.cpu.decode_q8 import (
     attend_q8_torch,
     dequantize_q8,
     native_q8,

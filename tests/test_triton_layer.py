@@ -1,11 +1,8 @@
-"""The Triton layer kernels (:mod:`ragblend.fusion.triton_layer`) against the torch references
-of :mod:`ragblend.fusion.layer_ops`, run by Triton's interpreter (``TRITON_INTERPRET=1``) over
-CPU tensors.
-
-The interpreter is chosen when ``triton.jit`` wraps a kernel, i.e. when the module is
-imported. So that the rest of a session (a GPU run's device checks included) keeps compiled
-kernels, these tests load a private copy of the module with the variable set, and set it
-again only while each of them runs; ``ragblend.fusion.triton_layer`` itself is left alone.
+"""The Triton layer kernels (:mod:`ragblend.fusion.cuda.triton_layer`) against the torch
+references of :mod:`ragblend.fusion.cuda.layer_ops`: compiled on CUDA tensors where there is
+a GPU, else run by Triton's interpreter over CPU tensors (``conftest.py`` sets
+``TRITON_INTERPRET=1`` on a machine without CUDA before anything imports triton: triton and
+its language's own functions are made interpreted or compiled when it is first imported).
 
 Tolerances: fp32 within a few ulps where the kernel cannot follow torch's arithmetic exactly
 (RMSNorm's sum of squares is reduced in another order; ``exp`` in silu is numpy's, not
@@ -26,30 +23,29 @@ from typing import Any
 import pytest
 import torch
 
-from ragblend.fusion import layer_ops as ref
-from ragblend.fusion.layer_ops import LayerImpl
+from ragblend.fusion.cuda.layer_ops import LayerImpl
 
-_PATH = Path(ref.__file__).with_name("triton_layer.py")
-_PREVIOUS = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (and before any kernel)
 pytest.importorskip("triton")
+
+from ragblend.fusion.cuda import layer_ops as ref  # noqa: E402
+from ragblend.fusion.cuda import triton_layer as TL  # noqa: E402
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, _PATH)
+    """A private copy of the kernels' module (to import it under other conditions)."""
+    spec = importlib.util.spec_from_file_location(name, Path(TL.__file__))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-try:
-    TL = _load("_ragblend_triton_layer_interpreted")
-finally:
-    if _PREVIOUS is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "no GPU and TRITON_INTERPRET is not 1 (conftest.py sets it before triton is imported)",
+        allow_module_level=True,
+    )
 
 EPS = 1e-6
 KERNELS = (
@@ -87,11 +83,13 @@ def _projected(n: int, heads: int, d: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.fixture(autouse=True)
-def _interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test seeded, with ``TRITON_INTERPRET=1`` while it runs (Triton asks again as it
-    launches an interpreted kernel)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _on_device() -> Iterator[None]:
+    """Each test seeded, its tensors made on ``DEVICE``."""
     torch.manual_seed(0)
+    previous = torch.get_default_device()
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device(previous)
 
 
 class _Launches:

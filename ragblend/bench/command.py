@@ -17,7 +17,7 @@ from ragblend.config import (
     PRECOMPUTE_CONTEXTS,
     BlendConfig,
 )
-from ragblend.fusion.native import ROW_ATTENTION
+from ragblend.fusion.cpu.native import ROW_ATTENTION
 from ragblend.models.gguf import WEIGHTS
 from ragblend.models.quantized import quantized_weights, weight_bytes
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store

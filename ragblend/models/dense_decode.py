@@ -1,6 +1,6 @@
 """A native bf16 matmul for a decode step's few rows, each row's output the same in any batch.
 
-``ragblend/fusion/csrc/dense_bf16.cpp`` (compiled on first use, in one of :data:`BUILDS`) has
+``ragblend/fusion/cpu/csrc/dense_bf16.cpp`` (compiled on first use, in one of :data:`BUILDS`) has
 two ops on bf16 CPU tensors:
 
 - ``matmul(x [n, cols], weight [rows, cols], bias [rows] | None) -> [n, rows]``: ``F.linear``'s

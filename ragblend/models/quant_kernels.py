@@ -3,7 +3,7 @@
 A quantized weight is ggml's blocks as a GGUF file stores them: a uint8 tensor
 ``[rows, row_bytes]`` (``gguf.GGUFReader(...).tensors[i].data``), each row ``cols`` weights in
 ``cols / block_elems`` consecutive blocks of one of :data:`QUANT_TYPES`.
-``ragblend/fusion/csrc/quant_blocks.cpp`` (built for AVX2 + FMA + F16C, for AVX512 where the
+``ragblend/fusion/cpu/csrc/quant_blocks.cpp`` (built for AVX2 + FMA + F16C, for AVX512 where the
 CPU level has it: a matmul twice as wide, and for AVX512-BF16: a bf16 matmul in ``vdpbf16ps``)
 has three ops on them:
 

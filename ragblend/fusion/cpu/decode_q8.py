@@ -19,11 +19,11 @@ import torch
 from ragblend import cpu
 from ragblend.errors import RagblendError
 from ragblend.extensions import Build, load_ops
-from ragblend.fusion.decode_kernels import _TOLERANCE
-from ragblend.fusion.native import BUILDS
+from ragblend.fusion.cpu.decode_kernels import _TOLERANCE
+from ragblend.fusion.cpu.native import BUILDS
 
 if TYPE_CHECKING:
-    from ragblend.fusion.native import NativeKernels
+    from ragblend.fusion.cpu.native import NativeKernels
     from ragblend.models.adapters import LayerwiseModel
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ Three builds, each checked against SDPA when it loads:
   instruction and no widening.
 
 Decode caches of 8-bit codes (``BlendConfig.kv_cache_dtype="int8"``) have their own kernel:
-:mod:`ragblend.fusion.decode_q8`.
+:mod:`ragblend.fusion.cpu.decode_q8`.
 
 Every build cuts a request's keys into blocks by its own position only and merges them in
 order, so a request decoded in a batch gets exactly what it gets alone.
