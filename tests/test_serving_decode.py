@@ -87,3 +87,38 @@ def test_a_stop_string_that_never_occurs_changes_nothing(served):
     again = in_process(engine, max_new_tokens=24, ignore_eos=True, stop=["\x00never"])
     assert again[:2] == (text, reason) == (text, "length")
     assert served_answers(client, 24, stop=["\x00never"], ignore_eos=True) == [(text, reason)] * 2
+
+
+def test_a_server_on_the_static_decode_pool_answers_as_the_engine_alone(tokenizer, monkeypatch):
+    """decode_slots (a GPU's default) on CPU tensors: concurrent requests step in one pool,
+    each answer the in-process one's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragblend.decode_pool import DecodePool
+
+    pooled_steps = []
+    forward = DecodePool.forward
+
+    def counted(self, *args, **kwargs):
+        pooled_steps.append(int(args[0].numel()))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodePool, "forward", counted)
+
+    engine = BlendEngine(
+        tiny_model("llama", seed=1),
+        tokenizer,
+        BlendConfig(row_attention="masked", decode_slots=2, decode_pool_tokens=512),
+        name=MODEL,
+    )
+    alone = engine.with_config(decode_slots=0)
+    text, reason, _ = in_process(alone, max_new_tokens=24, ignore_eos=True)
+    app = create_app(engine, max_running=4, max_queue=8)
+    with ServerThread(app) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as pool:  # 4 requests, 2 slots: some run in their own buffers
+            answers = list(
+                pool.map(lambda _: served_answers(client, 24, ignore_eos=True)[0], range(4))
+            )
+    assert answers == [(text, reason)] * 4
+    assert pooled_steps and max(pooled_steps) == 2  # steps of both slots' requests together

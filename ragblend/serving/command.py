@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
 from ragblend.errors import RagblendError
+from ragblend.fusion.cuda.layer_ops import LAYER_KERNELS
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,28 @@ def add_parser(sub) -> None:
         choices=DECODE_ACTIVATIONS,
         help="what decode steps multiply a GGUF's quantized weights by: float (exact), int8 "
         "(llama.cpp's 8-bit activations) or auto (per CPU level)",
+    )
+    p.add_argument(
+        "--layer-kernels",
+        metavar="K",
+        default="auto",
+        choices=LAYER_KERNELS,
+        help="a prefill's layer steps off the native CPU kernels: hf (HF's modules), fused "
+        "(one op per norm, RoPE, K/V scatter and SiLU product; Triton kernels on CUDA) or "
+        "auto (hf)",
+    )
+    p.add_argument(
+        "--decode-slots",
+        metavar="N",
+        type=int,
+        default=None,
+        help="requests the static decode K/V pool holds (default: 8 on a GPU, 0 = off on a CPU)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the decode pool's step from a CUDA graph (GPU; eager with one warning "
+        "where the capture fails)",
     )
     p.add_argument(
         "--api-key",
@@ -173,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         kv_cache_dtype=args.kv_cache_dtype,
         decode_activations=args.decode_activations,
+        layer_kernels=args.layer_kernels,
+        decode_slots=args.decode_slots,
+        cuda_graphs=args.cuda_graphs,
     )
     store = open_store(StoreFlags.of(args), ram_front=True)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, args.model) if n))
