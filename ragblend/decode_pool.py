@@ -1,12 +1,13 @@
 """A static K/V cache shared by the requests a GPU decodes together (gpt-fast's layout).
 
 Per layer, keys and values of up to ``slots`` requests live in one tensor [slots, Hkv,
-capacity, d]; each request's :class:`~ragblend.layer_decode.LayerDecoder` claims a slot and
-its buffers are views of it. A decode step of requests that share a pool then writes every
-new K/V row with one scatter per tensor and attends all of them in **one** SDPA call over the
-slots from the lowest to the highest stepping one (a view, each query row masked to its own
-positions, a sliding window's too), where the per-request path launches two copies and one
-SDPA per request and layer: the step's launches no longer grow with the batch.
+capacity + 1, d] (a spare column last); each request's
+:class:`~ragblend.layer_decode.LayerDecoder` claims a slot and its buffers are views of it.
+A decode step of requests that share a pool then writes every new K/V row with one scatter
+per tensor and attends all of them in **one** SDPA call over the slots from the lowest to the
+highest stepping one (a view, each query row masked to its own positions, a sliding window's
+too), where the per-request path launches two copies and one SDPA per request and layer: the
+step's launches no longer grow with the batch.
 
 Slots inside that span that are not in the step attend key 0 (a row nobody reads), so every
 row of the SDPA call is finite. A slot is given back when its decoder is garbage-collected.

@@ -192,8 +192,8 @@ class LayerwiseModel:
         ``rope_``: an in-place RoPE with HF's values for this family (ragblend's native one,
         see ``LayerwiseModel.rotate_``) to use instead of ``apply_rotary_pos_emb``; ``norm``:
         the same for the layer norms (for ``llama_rms_norms`` models). ``kernels``: the fused
-        device steps (:mod:`ragblend.fusion.cuda.layer_ops`) for the norm and the RoPE of q and k,
-        where this family's are Llama's."""
+        device steps (:mod:`ragblend.fusion.cuda.layer_ops`) for the norm and the RoPE of q
+        and k where this family's are Llama's, with q/k/v in one matmul (:meth:`joined`)."""
         block = self.layers[layer]
         x = self._norm(block.input_layernorm, hidden, norm, kernels)
         joined = self.joined(layer, "qkv") if kernels is not None else None
