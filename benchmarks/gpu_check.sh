@@ -15,7 +15,7 @@
 #   3. benchmarks/gpu_decode.py: decode tok/s at 1 and 8 streams (mistral-7b), the static
 #      decode pool eagerly and from its CUDA graph with the fused steps;
 #   4. benchmarks/gpu_profile.py: one prefill per mode under torch.profiler (launches, syncs,
-#      host vs device time);
+#      host vs device time), reuse and blend also with the fused layer steps;
 #   5. benchmarks/gpu_summary.py: the table of all of it beside the targets (summary.md).
 # Files under $OUT (<= 8): gpu_check.log, summary.md, bench_<shape>.json (2),
 # ttft_mistral-7b.png, gpu_decode.json, gpu_profile.json.
@@ -76,12 +76,12 @@ if [ "$SMOKE" = 1 ]; then
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
     BENCH_ARGS=(--layouts 3x48,2x96 --tiers ram,disk --ratios 0.15 --repeats 2 --skip-rates --fused)
     DECODE_ARGS=(--prompt-tokens 256 --steps 8 --repeats 2 --cuda-graphs)
-    PROFILE_ARGS=(--layout 3x48)
+    PROFILE_ARGS=(--layout 3x48 --fused)
 else
     DEVICE=cuda; DTYPE=bfloat16; SHAPES=(mistral-7b llama-3.1-8b); DECODE_SHAPE=mistral-7b
     BENCH_ARGS=(--tiers ram,disk,device --ratios 0.15 --repeats 3 --skip-rates --attn-keys 3072 --fused)
     DECODE_ARGS=(--prompt-tokens 3157 --steps 32 --repeats 3 --cuda-graphs)
-    PROFILE_ARGS=(--layout 6x512)
+    PROFILE_ARGS=(--layout 6x512 --fused)
 fi
 
 # the disk tier on the checkout's disk (out/ is ignored by git), not a tmpfs /tmp

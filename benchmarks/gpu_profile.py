@@ -129,6 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--repeats", type=int, default=3, help="unprofiled timed prefills per mode (default 3)"
     )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="also profile reuse and blend with layer_kernels='fused' ('reuse fused', "
+        "'blend fused': the Triton layer steps on CUDA)",
+    )
     ap.add_argument("--top", type=int, default=12, help="ops in the top table (default 12)")
     ap.add_argument("--trace", action="store_true", help="write a Chrome trace per mode")
     ap.add_argument("--seed", type=int, default=0)
@@ -429,6 +435,14 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, out: P
             row["trace"] = name
         info["modes"][mode] = row
         del prof
+    if args.fused:  # the same prompt through the fused layer steps
+        fused = engine.with_config(layer_kernels="fused")
+        for mode in (m for m in args.mode_list if m in ("reuse", "blend")):
+            row, prof = profile_mode(fused, prompt, mode, ratio, args, device)
+            row["layer_kernels"] = getattr(fused.layer_kernels, "impl", None)
+            info["modes"][f"{mode} fused"] = row
+            del prof
+        del fused
     del engine
     gc.collect()
     peak = peak_memory(device)
@@ -443,15 +457,15 @@ def print_summary(shape: str, info: dict) -> None:
         f"{info['device']})"
     )
     print(
-        f"  {'mode':>6} {'wall ms':>9} {'prof ms':>9} {'host ms':>9} {'kernel ms':>10} "
+        f"  {'mode':>11} {'wall ms':>9} {'prof ms':>9} {'host ms':>9} {'kernel ms':>10} "
         f"{'launches':>9} {'syncs rt/op':>12}  top op (self CPU ms)"
     )
     for mode, row in info["modes"].items():
         top = row["top_ops"][0] if row["top_ops"] else {"name": "-", "self_cpu_ms": 0.0}
         syncs = f"{row['syncs']['runtime_total']}/{row['syncs']['op_total']}"
-        ran = "" if row["ran_mode"] == mode else f" (ran {row['ran_mode']})"
+        ran = "" if row["ran_mode"] == mode.split()[0] else f" (ran {row['ran_mode']})"
         print(
-            f"  {mode:>6} {row['wall_ms']:>9.2f} {row['profiled_wall_ms']:>9.2f} "
+            f"  {mode:>11} {row['wall_ms']:>9.2f} {row['profiled_wall_ms']:>9.2f} "
             f"{row['host_ms']:>9.2f} {row['device_kernel_ms']:>10.2f} "
             f"{row['kernel_launches']['count']:>9} {syncs:>12}  "
             f"{top['name']} ({top['self_cpu_ms']:.2f}){ran}"
