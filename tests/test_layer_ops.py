@@ -143,6 +143,18 @@ def test_joined_linears_share_memory_and_keep_hf_outputs():
             assert torch.equal(module(x), ref)  # the module reads its rows of the join
 
 
+def test_weights_joined_during_a_prefill_still_train():
+    from ragblend.models.adapters import adapter_for
+
+    model = tiny_model("llama")
+    layers = adapter_for(model)
+    with torch.inference_mode():  # as the fusor joins them
+        joined = layers.joined(0, "qkv")
+    assert joined is not None and not joined.weight.is_inference()
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
 def test_a_join_is_made_again_when_a_module_weight_is_replaced():
     from ragblend.models.adapters import adapter_for
 

@@ -62,7 +62,8 @@ def joinable(modules: Sequence[nn.Module]) -> bool:
     )
 
 
-@torch.no_grad()
+@torch.inference_mode(False)  # a normal tensor even when joined inside a prefill: the
+@torch.no_grad()  # modules' weights stay usable by autograd (an inference tensor is not)
 def join_linears(modules: Sequence[nn.Module]) -> JoinedLinear | None:
     """``modules`` joined (see the module docstring), or None where they are not
     :func:`joinable`. Their weights become views of the joined tensor; the old tensors are
