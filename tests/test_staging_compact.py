@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import pytest
 import torch
 
@@ -134,39 +137,50 @@ def test_the_kernels_per_layer_do_not_grow_with_the_number_of_chunks(monkeypatch
 
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_compact_slots_are_refilled_only_after_their_last_copy(prefetch, monkeypatch, tmp_path):
+    # (thread, entry): the consumer waits for each layer's ready event on its own thread while
+    # the reader copies, so the reader's entries are read apart from the consumer's
     log: list = []
+    names = itertools.count()
+
+    def add(entry: tuple) -> None:
+        log.append((threading.get_ident(), entry))
 
     class Event:
         def __init__(self, name: int) -> None:
             self.name = name
 
         def synchronize(self) -> None:
-            log.append(("wait", self.name))
+            add(("wait", self.name))
 
     class Copies(staging_module.HostCopies):
         def copy(self, dst, src) -> None:
-            log.append(("copy", src.data_ptr()))
+            add(("copy", src.data_ptr()))
             super().copy(dst, src)
 
         def record(self):
-            log.append(("record", len(log)))
-            return Event(log[-1][1])
+            name = next(names)
+            add(("record", name))
+            return Event(name)
 
     monkeypatch.setattr(layer_loader, "copies_for", Copies)
     caches, lengths = mixed(tmp_path, torch.float32)
     layers(caches, lengths, torch.float32, prefetch, staging=True)
-    records = [i for i, (what, _) in enumerate(log) if what == "record"]
+    reader = next(thread for thread, (what, _) in log if what == "copy")
+    seq = [entry for thread, entry in log if thread == reader]
+    records = [i for i, (what, _) in enumerate(seq) if what == "record"]
     slot_events = records[0::2]  # per layer: the slot's copy event, then the ready event
     assert len(slot_events) == LAYERS
-    for layer, event in enumerate(slot_events):
+    assert sum(what == "copy" for what, _ in seq) == sum(what == "copy" for _, (what, _) in log)
+    for layer, at in enumerate(slot_events):
+        name = seq[at][1]
         refill = layer + prefetch + 1
-        copies = log[event - 8 : event]  # the slot's buffers (8: see the test above)
+        copies = seq[at - 8 : at]  # the slot's buffers (8: see the test above)
         assert all(what == "copy" for what, _ in copies)
         if refill < LAYERS:  # the slot is refilled (same buffers) only after waiting for them
-            assert log[slot_events[refill] - 8 : slot_events[refill]] == copies
-            assert log.index(("wait", event)) < slot_events[refill] - 8
+            assert seq[slot_events[refill] - 8 : slot_events[refill]] == copies
+            assert seq.index(("wait", name)) < slot_events[refill] - 8
         else:
-            assert ("wait", event) not in log
+            assert ("wait", name) not in seq
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
