@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ragblend.models.adapters import LayerwiseModel
+from ragblend.decode_layers import step_layers
+from ragblend.models.adapters import LayerProjections, LayerwiseModel
 
 if TYPE_CHECKING:
     from ragblend.decode_graph import DecodeGraph
@@ -103,24 +104,16 @@ class DecodePool:
         ``positions``, ``rows`` [B] int64 (rows counted from ``span``'s first slot) → fp32
         logits [B, vocab]. ``kernels``/``fused``: the native CPU or fused layer steps."""
         m = self.layers
-        hidden = m.embed(tokens)
-        norm = m.native_norm(kernels)
-        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[int | None, torch.Tensor] = {}  # one per window size
-        for i in range(m.num_layers):
-            group = m.rope_group(i)
-            if group not in ropes:
-                ropes[group] = m.rope(positions, hidden, i)
-            cos, sin = ropes[group]
-            proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm, fused)
-            window = m.sliding_window(i)
+
+        def attend(layer: int, proj: LayerProjections, window: int | None) -> torch.Tensor:
             mask = masks.get(window)
             if mask is None:
                 mask = masks[window] = self.masks(span, rows, positions, window)
             qkv = (proj.q, proj.k, proj.v)
-            out = self.attend(i, span, rows, positions, *qkv, mask, m.scaling(i))
-            hidden = m.finish(i, hidden, out, norm, fused)
-        return m.logits(hidden)
+            return self.attend(layer, span, rows, positions, *qkv, mask, m.scaling(layer))
+
+        return step_layers(m, m.embed(tokens), positions, attend, kernels, fused)
 
     def _graph(
         self, kernels: NativeKernels | None, fused: LayerKernels | None

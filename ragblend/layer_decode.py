@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from ragblend.config import KV_CACHE_DTYPES
+from ragblend.decode_layers import step_layers
 from ragblend.decode_pool import DecodePool
 from ragblend.errors import RagblendError
 from ragblend.fusion.cpu.decode_q8 import int8_attention, q8_buffer
 from ragblend.fusion.cpu.native import DecodeKernel, NativeKernels, native_kernels
 from ragblend.fusion.cuda.layer_ops import LayerKernels
-from ragblend.models.adapters import LayerwiseModel
+from ragblend.models.adapters import LayerProjections, LayerwiseModel
 from ragblend.models.int8_decode import step_activations
 
 
@@ -230,33 +231,26 @@ def _decode_batch(decoders: Sequence[LayerDecoder], tokens: Sequence[int]) -> to
         for d in decoders:
             d.position += 1
         return logits
-    hidden = m.embed(torch.tensor(list(tokens), device=device))
     position_ids = torch.tensor(positions, device=device)
-    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one table per RoPE group
-    norm = m.native_norm(kernels)
     attend = decoders[0].attend
-    for i in range(m.num_layers):
-        group = m.rope_group(i)
-        if group not in ropes:
-            ropes[group] = m.rope(position_ids, hidden, i)
-        cos, sin = ropes[group]
-        proj = m.project(i, hidden, cos, sin, m.native_rope(kernels, cos), norm, fused)
-        window = m.sliding_window(i)
+
+    def attend_layer(i: int, proj: LayerProjections, window: int | None) -> torch.Tensor:
         if cache_dtypes[0] == "int8":
-            out = _attend_q8(decoders, i, positions, proj.q, proj.k, proj.v, window, m.scaling(i))
-        elif attend is not None:
-            keys = [d.keys[i] for d in decoders]
-            values = [d.values[i] for d in decoders]
-            kv_dtype = keys[0].dtype
-            q, k, v = proj.q.to(attend.q_dtype), proj.k.to(kv_dtype), proj.v.to(kv_dtype)
-            out = attend.kernel(q, k, v, keys, values, positions, window or 0, m.scaling(i))
-            out = out.to(proj.q.dtype)
-        else:
-            out = _attend_each(m, i, decoders, positions, proj.q, proj.k, proj.v, window)
-        hidden = m.finish(i, hidden, out, norm, fused)
+            return _attend_q8(decoders, i, positions, proj.q, proj.k, proj.v, window, m.scaling(i))
+        if attend is None:
+            return _attend_each(m, i, decoders, positions, proj.q, proj.k, proj.v, window)
+        keys = [d.keys[i] for d in decoders]
+        values = [d.values[i] for d in decoders]
+        kv_dtype = keys[0].dtype
+        q, k, v = proj.q.to(attend.q_dtype), proj.k.to(kv_dtype), proj.v.to(kv_dtype)
+        out = attend.kernel(q, k, v, keys, values, positions, window or 0, m.scaling(i))
+        return out.to(proj.q.dtype)
+
+    hidden = m.embed(torch.tensor(list(tokens), device=device))
+    logits = step_layers(m, hidden, position_ids, attend_layer, kernels, fused)
     for d in decoders:
         d.position += 1
-    return m.logits(hidden)
+    return logits
 
 
 def decode_attention(
