@@ -30,10 +30,19 @@ from ragblend import BlendEngine
 from ragblend.bench.datasets import load_cases
 from ragblend.bench.harness import Variant
 from ragblend.bench.metrics import kl_divergence
+from ragblend.bench.neighbours import with_dataset_neighbours
 
 RELEVANCE_KV = {"selector": "relevance-kv"}
+CHUNK_KV = {"selector": "chunk-kv"}
 STARTS = {"chunk_start_tokens": 16}
 HOT = {"cached_temperature": 1.1}
+HOT_BEFORE = {"cached_temperature": 1.06}  # the default before issue 54
+OPTIONS_OFF = {
+    "cached_temperature": 1.0,
+    "chunk_start_tokens": 0,
+    "near_question_tokens": 0,
+    "check_scales": (1.5, 0.7),
+}
 
 
 def variants(which: str) -> list[Variant]:
@@ -42,6 +51,56 @@ def variants(which: str) -> list[Variant]:
     if which == "smoke":
         return out + [Variant("kv r=0.15", "blend", {"ratio": 0.15})]
     r = 0.15
+    if which == "curve":  # the defaults' selection at every ratio (issue 54)
+        before = Variant("kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": r, **HOT_BEFORE})
+        return out + [
+            before,
+            *(
+                Variant(f"defaults r={ratio}", "blend", {**default_selection(), "ratio": ratio})
+                for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
+            ),
+        ]
+    if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
+        return out + [
+            Variant("kv T=1.06 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.06}),
+            Variant("kv r=0.15", "blend", {"ratio": r}),
+            Variant("kv+starts16 r=0.15", "blend", {"ratio": r, **STARTS}),
+            Variant("kv+near128 r=0.15", "blend", {"ratio": r, "near_question_tokens": 128}),
+            Variant("kv+near256 r=0.15", "blend", {"ratio": r, "near_question_tokens": 256}),
+            Variant(
+                "kv+starts16+near128 r=0.15",
+                "blend",
+                {"ratio": r, **STARTS, "near_question_tokens": 128},
+            ),
+            Variant("chunk-kv r=0.15", "blend", {"ratio": r, **CHUNK_KV}),
+            Variant(
+                "kv+near128 T=1.06 r=0.15",
+                "blend",
+                {"ratio": r, "near_question_tokens": 128, "cached_temperature": 1.06},
+            ),
+        ]
+    if which == "neighbours2":  # around the first grid's best: starts × near-question rows
+        near = "near_question_tokens"
+        return out + [
+            Variant("kv+starts16+near128 r=0.15", "blend", {"ratio": r, **STARTS, near: 128}),
+            Variant("kv+starts16+near256 r=0.15", "blend", {"ratio": r, **STARTS, near: 256}),
+            Variant(
+                "kv+starts32+near128 r=0.15",
+                "blend",
+                {"ratio": r, "chunk_start_tokens": 32, near: 128},
+            ),
+            Variant(
+                "kv+starts16+near128 scales 1.5/1.0 r=0.15",
+                "blend",
+                {"ratio": r, **STARTS, near: 128, "check_scales": (1.5, 1.0)},
+            ),
+            Variant(
+                "kv+starts16+near256 scales 1.5/1.0 r=0.15",
+                "blend",
+                {"ratio": r, **STARTS, near: 256, "check_scales": (1.5, 1.0)},
+            ),
+            Variant("kv+starts16+near256 r=0.2", "blend", {"ratio": 0.2, **STARTS, near: 256}),
+        ]
     if which == "temperature":  # the cached-row temperature alone, around the grid's T=1.1
         return out + [
             Variant("kv r=0.15", "blend", {"ratio": r}),
@@ -86,6 +145,15 @@ def variants(which: str) -> list[Variant]:
         ),
     ]
     return out
+
+
+def default_selection() -> dict:
+    """BlendConfig's selection options at their defaults (the engine here runs with T = 1)."""
+    from ragblend.config import BlendConfig
+
+    base = BlendConfig()
+    keys = ("selector", "cached_temperature", "chunk_start_tokens", "near_question_tokens")
+    return {k: getattr(base, k) for k in (*keys, "check_layers", "check_scales")}
 
 
 def table(results: dict) -> str:
@@ -151,18 +219,50 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--which", default="grid", choices=("grid", "followup", "temperature", "smoke"))
+    ap.add_argument(
+        "--which",
+        default="grid",
+        choices=(
+            "grid",
+            "followup",
+            "temperature",
+            "neighbours",
+            "neighbours2",
+            "curve",
+            "smoke",
+        ),
+    )
+    ap.add_argument(
+        "--precompute-context",
+        default=None,
+        help="how chunks are precomputed (default: the engine's, neighbour-aware; the grids "
+        "before issue 54 ran with canonical)",
+    )
+    ap.add_argument(
+        "--skip-passages",
+        type=int,
+        default=0,
+        help="use each case's top-k passages after the first N (another retrieval set)",
+    )
     ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    # every option off unless a variant sets it (the default temperature included), so a
-    # variant's name says everything it runs with
-    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, cached_temperature=1.0)
+    # every option off unless a variant sets it (today's defaults included: T, chunk starts,
+    # rows near the question, the second check layer's scale before issue 54), so a variant's
+    # name says everything it runs with
+    context = {"precompute_context": args.precompute_context} if args.precompute_context else {}
+    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, **context, **OPTIONS_OFF)
+    engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
     cases = load_cases(
-        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
+        args.dataset,
+        engine.tokenizer,
+        args.top_k,
+        args.chunk_tokens,
+        args.offset + args.limit,
+        skip=args.skip_passages,
     )[args.offset :]
     grid = variants(args.which)
     views = {v.name: engine.with_config(**v.overrides) for v in grid}
@@ -176,6 +276,7 @@ def main() -> None:
         results = summarize(rows)
         results["settings"] = {
             **vars(args),
+            "precompute_context": engine.config.precompute_context,
             "n": len(rows),
             "torch_threads": torch.get_num_threads(),
         }

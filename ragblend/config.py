@@ -46,6 +46,9 @@ class BlendConfig:
     chunk_start_tokens: the first k tokens of every cached chunk are always recomputed (kept at
         every check layer, within the budget when it allows; EPIC's per-chunk attention sinks).
         0: off. Combines with any selector.
+    near_question_tokens: the last k cached tokens before the question are always recomputed
+        (kept at every check layer like chunk starts, within the budget when it allows): the
+        rows the question reads most closely. 0: off. Combines with any selector.
     cached_temperature: attention logits to rows still served from the cache (not recomputed
         on that layer) are divided by this temperature during a blend prefill (APE); the KV
         kept for decoding is unchanged, and full KV reuse (``mode="reuse"``) is not tempered.
@@ -127,16 +130,18 @@ class BlendConfig:
 
     ratio: float | Literal["auto"] = 0.15
     # Gradual filtering chosen by benchmarks/sweep.py on held-out dev questions: keep 1.5·r
-    # after layer 1, narrow to 0.7·r at layer 10 (≈ r on average over the selective layers).
+    # after layer 1, then r from layer 10 (0.7·r until issue 54: on neighbour-aware caches the
+    # always-kept rows below need the later layers' budget; quality_sweep --which neighbours2).
     check_layers: tuple[int, ...] = (1, 10)
-    check_scales: tuple[float, ...] | None = (1.5, 0.7)
+    check_scales: tuple[float, ...] | None = (1.5, 1.0)
     selector: str = "kv-deviation"
     deviation: Literal["k", "v", "kv"] = "kv"
-    chunk_start_tokens: int = 0
-    # APE temperature chosen by benchmarks/quality_sweep.py --which temperature on held-out dev
-    # questions 20-39: answer KL 0.80x -> 0.76x reuse's, first-token KL 0.49x -> 0.48x, at ~1 %
-    # of TTFT (the scale goes through SDPA; only recomputed rows' keys are touched).
-    cached_temperature: float = 1.06
+    # Chosen on neighbour-aware caches (issue 54, docs/neighbour_caches.md): the chunk starts
+    # and the rows nearest the question carry most of the KL that recompute can remove, and
+    # APE's temperature (1.06, chosen on isolated caches) hurt the first token there.
+    chunk_start_tokens: int = 16
+    near_question_tokens: int = 256
+    cached_temperature: float = 1.0
     adaptive_mass: float | None = None
     adaptive_ratio: tuple[float, float] = (0.05, 0.3)
     # Template-independent: a chunk warmed once hits under any template or system prompt, at
@@ -241,9 +246,10 @@ def check_mode(mode: str) -> str:
 
 def check_selection_options(config: BlendConfig) -> None:
     """A RagblendError naming the first invalid selection option of ``config``."""
-    k = config.chunk_start_tokens
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise RagblendError(f"chunk_start_tokens must be an integer >= 0, got {k!r}")
+    for name in ("chunk_start_tokens", "near_question_tokens"):
+        k = getattr(config, name)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise RagblendError(f"{name} must be an integer >= 0, got {k!r}")
     t = config.cached_temperature
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
         raise RagblendError(f"cached_temperature must be a number > 0, got {t!r}")

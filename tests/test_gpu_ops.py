@@ -33,12 +33,14 @@ CEILINGS = {
     "fused": {
         "full": {"kernels_per_layer": 36, "kernels_per_check_layer": 0},
         "reuse": {"kernels_per_layer": 15, "kernels_per_check_layer": 0},
-        "blend": {"kernels_per_layer": 16, "kernels_per_check_layer": 60},
+        # a check layer: +4 for the always-kept rows (chunk starts, rows near the question;
+        # issue 54's defaults), which took the cached-key temperature's kernel off every layer
+        "blend": {"kernels_per_layer": 16, "kernels_per_check_layer": 64},
     },
     "hf": {
         "full": {"kernels_per_layer": 36, "kernels_per_check_layer": 0},
         "reuse": {"kernels_per_layer": 45, "kernels_per_check_layer": 0},
-        "blend": {"kernels_per_layer": 46, "kernels_per_check_layer": 85},
+        "blend": {"kernels_per_layer": 46, "kernels_per_check_layer": 89},
     },
 }
 SYNC_CEILINGS = {"syncs_per_layer": 0, "syncs_per_prefill": 0}

@@ -22,6 +22,7 @@ from ragblend.fusion.selectors import QuestionRelevanceSelector, RandomSelector
 from ragblend.fusion.trace import SelectionTrace
 
 ATOL = 1e-4
+PLAIN = dict(chunk_start_tokens=0, near_question_tokens=0)  # the selector's rows alone
 EVERY_OPTION = dict(
     selector="relevance-kv",
     chunk_start_tokens=4,
@@ -111,7 +112,7 @@ def test_relevance_scores_are_hf_question_attention_summed_up_to_the_check_layer
 
 def test_relevance_kv_combinations_rank_rows_that_are_relevant_and_deviating(tokenizer):
     engine = engine_for(
-        tiny_model("qwen2"), tokenizer, ratio=0.2, check_layers=(1,), check_scales=None
+        tiny_model("qwen2"), tokenizer, ratio=0.2, check_layers=(1,), check_scales=None, **PLAIN
     )
     engine.precompute(CHUNKS)
     kept = {}
@@ -165,6 +166,7 @@ def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tok
         ratio=0.1,
         check_layers=(1,),
         check_scales=None,
+        **PLAIN,
     )
     engine.precompute(CHUNKS)
     plain, _ = _fused(engine.with_config(cached_temperature=1.0))

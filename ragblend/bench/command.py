@@ -207,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         "selector": config.selector,
         "deviation": config.deviation,
         "cached_temperature": config.cached_temperature,
+        "chunk_start_tokens": config.chunk_start_tokens,
+        "near_question_tokens": config.near_question_tokens,
         "precompute_context": config.precompute_context,
         "precompute_neighbours": (
             config.precompute_neighbours if config.precompute_context == "neighbours" else None

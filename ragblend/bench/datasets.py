@@ -49,23 +49,29 @@ def _read(path: str | Path) -> list:
     return raw
 
 
-def _passages(item, tokenizer, chunk_tokens: int, top_k: int | None) -> list[str]:
+def _passages(item, tokenizer, chunk_tokens: int, top_k: int | None, skip: int = 0) -> list[str]:
     chunks = []
-    for c in item["ctxs"][:top_k]:
+    for c in item["ctxs"][skip : None if top_k is None else skip + top_k]:
         text = (c.get("title") + "\n" if c.get("title") else "") + c["text"]
         chunks.append(cut_to_tokens(tokenizer, text, chunk_tokens))
     return chunks
 
 
 def load_cases(
-    path: str | Path, tokenizer, top_k: int = 6, chunk_tokens: int = 512, limit: int | None = None
+    path: str | Path,
+    tokenizer,
+    top_k: int = 6,
+    chunk_tokens: int = 512,
+    limit: int | None = None,
+    skip: int = 0,
 ) -> list[Case]:
-    """Read a JSON list of ``{question, answers, ctxs: [{title, text}]}``; chunks = first top-k."""
+    """Read a JSON list of ``{question, answers, ctxs: [{title, text}]}``; chunks = the top-k
+    passages after the first ``skip`` (another retrieval set for the same questions)."""
     raw = _read(path)
     cases = []
     for i, item in enumerate(raw[:limit] if limit else raw):
         try:
-            chunks = _passages(item, tokenizer, chunk_tokens, top_k)
+            chunks = _passages(item, tokenizer, chunk_tokens, top_k, skip)
             cases.append(Case(str(item["question"]), list(item.get("answers", [])), chunks))
         except (KeyError, TypeError) as exc:
             raise RagblendError(f"case {i} of {path} is malformed: missing {exc}") from None

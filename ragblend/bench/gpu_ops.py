@@ -210,7 +210,7 @@ HOST_READS: frozenset[Any] = frozenset(
 # Functions (module, name) that return host data on the compute device and, on CPU, the host
 # tensor itself (no copy): wrapped while a tracking counter counts, so that their result is a
 # device tensor and the copy a GPU makes counts (one kernel, one host→device copy).
-UPLOADS: tuple[tuple[str, str], ...] = (("ragblend.fusion.rows", "_upload"),)
+UPLOADS: tuple[tuple[str, str], ...] = (("ragblend.fusion.rows", "upload"),)
 
 # Factories that copy host data to their ``device`` (a blocking, stream-waiting copy on CUDA).
 HOST_TO_DEVICE: frozenset[Any] = frozenset((torch.tensor, torch.as_tensor))

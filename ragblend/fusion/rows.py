@@ -77,8 +77,8 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
     last = segments[-1]
     question_start = n - (len(last) if last.kv is None else 1)
     device = torch.device(device)
-    longs = _upload(torch.tensor(ids + offsets + candidates + forced_list), device)
-    flags = _upload(torch.tensor(cached + exact + forced), device)
+    longs = upload(torch.tensor(ids + offsets + candidates + forced_list), device)
+    flags = upload(torch.tensor(cached + exact + forced), device)
     num_candidates = len(candidates)
     return PromptRows(
         ids=longs[:n],
@@ -97,7 +97,7 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
     )
 
 
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` on ``device``: one copy, from pinned memory on a GPU (no wait for it)."""
     if device.type == "cpu":
         return host

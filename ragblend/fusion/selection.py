@@ -13,12 +13,14 @@ that a plain selector (scores only) keeps working unchanged:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from ragblend.errors import RagblendError
+from ragblend.fusion import rows as prompt_rows  # its ``upload``, as gpu_ops counts it
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.selectors import SELECTORS, CheckLayer, TokenSelector
 
@@ -179,6 +181,9 @@ class SelectionPolicy:
     chunk_start_tokens: the first k rows of every cached chunk (the per-chunk attention sinks
         that independent precompute creates; EPIC) are always kept at every check layer —
         inside the row budget when it is large enough, on top of it otherwise.
+    near_question_tokens: the last k cached rows before the question are kept at every check
+        layer after the chunk starts, closest to the question first, inside the row budget
+        (never on top of it: a short prompt's budget is not spent on them alone).
     adaptive_mass: instead of the scheduled budget, keep the fewest top-scored rows whose
         scores cover this share of the candidates' score mass, clamped to ``adaptive_ratio``
         × the check layer's scale × the cached rows.
@@ -190,6 +195,7 @@ class SelectionPolicy:
         inner: TokenSelector,
         *,
         chunk_start_tokens: int = 0,
+        near_question_tokens: int = 0,
         adaptive_mass: float | None = None,
         adaptive_ratio: tuple[float, float] = (0.05, 0.3),
         check_scales: dict[int, float] | None = None,
@@ -198,6 +204,7 @@ class SelectionPolicy:
         self.inner = inner
         self.name = inner.name
         self.chunk_start_tokens = chunk_start_tokens
+        self.near_question_tokens = near_question_tokens
         self.adaptive_mass = adaptive_mass
         self.adaptive_ratio = adaptive_ratio
         self.check_scales = check_scales or {}
@@ -208,6 +215,7 @@ class SelectionPolicy:
         """``inner`` wrapped with ``config``'s options, or ``inner`` itself when none is on."""
         if (
             not config.chunk_start_tokens
+            and not config.near_question_tokens
             and config.adaptive_mass is None
             and config.cached_temperature == 1.0
         ):
@@ -216,6 +224,7 @@ class SelectionPolicy:
         return cls(
             inner,
             chunk_start_tokens=config.chunk_start_tokens,
+            near_question_tokens=config.near_question_tokens,
             adaptive_mass=config.adaptive_mass,
             adaptive_ratio=(float(config.adaptive_ratio[0]), float(config.adaptive_ratio[1])),
             check_scales=dict(zip(config.check_layers, scales)),
@@ -228,11 +237,33 @@ class SelectionPolicy:
     def scores(self, check: CheckLayer) -> torch.Tensor:
         return self.inner.scores(check)
 
-    def chunk_starts(self, check: CheckLayer) -> torch.Tensor:
-        """Bool [m]: which candidates are among the first k rows of their chunk."""
-        if not self.chunk_start_tokens or check.prompt is None:
-            return torch.zeros(check.candidates.numel(), dtype=torch.bool, device=check.rows.device)
-        return check.prompt.offsets[check.rows] < self.chunk_start_tokens
+    def priority(self, check: CheckLayer) -> torch.Tensor:
+        """fp32 [N], made once per prefill (``check.memory``): +inf on chunk starts, above
+        every finite score and higher the closer to the question on the rows near it, -inf
+        elsewhere; built on the host from the prompt's lists and uploaded in one copy."""
+        memory = check.memory
+        if "selection_priority" not in memory:
+            prompt = check.prompt
+            assert prompt is not None  # only called when the prompt's rows are known
+            n = prompt.n
+            values = [-math.inf] * n
+            near = self.near_question_start(prompt)
+            offsets = prompt.offset_list
+            for i in prompt.candidate_list:
+                if offsets[i] < self.chunk_start_tokens:
+                    values[i] = math.inf
+                elif i >= near:
+                    values[i] = _NEAR * (1 + i / n)
+            host = torch.tensor(values, dtype=torch.float32)
+            memory["selection_priority"] = prompt_rows.upload(host, prompt.ids.device)
+        return memory["selection_priority"]
+
+    def near_question_start(self, prompt: PromptRows) -> int:
+        """First position of the last ``near_question_tokens`` cached rows before the question
+        (counted over candidates, so separators between chunks do not count)."""
+        before = [i for i in prompt.candidate_list if i < prompt.question_start]
+        window = before[-self.near_question_tokens :] if self.near_question_tokens else []
+        return window[0] if window else prompt.n
 
     def adaptive_budget(self, check: CheckLayer, scores: torch.Tensor) -> int:
         """Rows whose scores cover ``adaptive_mass`` of the total, clamped to the ratio range."""
@@ -265,22 +296,28 @@ class SelectionPolicy:
         )
 
     def choose(self, check: CheckLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """Local indices into ``check.candidates``: the chunk starts, then the best others
-        (one ``topk`` with the starts ranked first; its size is known on the host)."""
+        """Local indices into ``check.candidates``: the chunk starts (on top of the budget
+        where it is smaller), then the rows near the question, closest first, then the best
+        others (one ``topk`` with the starts and near rows ranked first; its size is known on
+        the host)."""
         if self.adaptive_mass is not None:
             budget = self.adaptive_budget(check, scores)  # reads the scores: a host sync
         starts = self.start_count(check)
-        if not starts:
+        if check.prompt is None or not (starts or self.near_question_tokens):
             return top_rows(scores, budget)
         finite = scores.float().nan_to_num(nan=torch.finfo(torch.float32).max)
-        ranked = finite.masked_fill(self.chunk_starts(check), float("inf"))
+        ranked = torch.maximum(finite, self.priority(check)[check.rows])
         return top_rows(ranked, max(budget, starts))
+
+
+_NEAR = 1e30  # the score of a row near the question (finite scores are far below)
 
 
 def make_selector(config: BlendConfig) -> TokenSelector:
     """The selector ``config.selector`` names, built from ``config``.
 
-    With a selection option on (chunk starts, adaptive ratio, cached-row temperature) it comes
+    With a selection option on (chunk starts, rows near the question, adaptive ratio,
+    cached-row temperature) it comes
     wrapped in a :class:`SelectionPolicy` that applies them.
     """
     try:

@@ -232,6 +232,36 @@ class RelevanceKVSelector(KVDeviationSelector):
         return _ranks(relevance) + _ranks(deviation)
 
 
+class ChunkKVSelector(KVDeviationSelector):
+    """Whole chunks first: the chunks whose rows deviate most on the check layer (mean KV
+    deviation of their candidate rows), each chunk's rows by their own deviation.
+
+    On neighbour-aware caches the error sits in chunks whose prompt context differs from the
+    one they were precomputed in (the first chunk, chunks after a non-neighbour), not in rows
+    scattered over every chunk: recomputing a chunk whole keeps its rows consistent with each
+    other. Scores are chunk rank + row deviation share (in [0, 0.5]), so a budget of any size
+    takes the best chunks in order, the last one partly, by row deviation.
+    """
+
+    name = "chunk-kv"
+
+    def scores(self, check: CheckLayer) -> torch.Tensor:
+        rows = super().scores(check).float()
+        if check.prompt is None:
+            return rows
+        # a segment starts where a row's offset in its segment is 0
+        segment = torch.cumsum(check.prompt.offsets == 0, 0)[check.rows]
+        count = int(check.prompt.n) + 1
+        means = torch.zeros(count, device=rows.device).scatter_reduce(
+            0, segment, rows, "mean", include_self=False
+        )
+        present = torch.zeros(count, dtype=torch.bool, device=rows.device)
+        present[segment] = True
+        # integer ranks over every segment, the absent ones lowest (no host sync)
+        chunk_rank = _ranks(means.masked_fill(~present, -float("inf"))) * count
+        return chunk_rank[segment] + 0.5 * rows / rows.max().clamp_min(1e-12)
+
+
 class RandomSelector:
     """Uniformly random rows: the control that shows deviation-based selection matters."""
 
@@ -273,6 +303,7 @@ SELECTORS: dict[str, SelectorFactory] = {
     "attention": lambda config: QuestionAttentionSelector(),
     "kv-attention": lambda config: DeviationTimesAttentionSelector(config.deviation),
     "random": lambda config: RandomSelector(),
+    "chunk-kv": lambda config: ChunkKVSelector(config.deviation),
     "relevance": lambda config: QuestionRelevanceSelector(),
     "relevance-kv": lambda config: RelevanceKVSelector(config.deviation, "rank"),
     "relevance-kv-product": lambda config: RelevanceKVSelector(config.deviation, "product"),
