@@ -60,6 +60,11 @@ def variants(which: str) -> list[Variant]:
                 for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
             ),
         ]
+    if which == "defaults":  # today's defaults against the ones before issue 54
+        return out + [
+            Variant("kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": r, **HOT_BEFORE}),
+            Variant("defaults r=0.15", "blend", {**default_selection(), "ratio": r}),
+        ]
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
         return out + [
             Variant("kv T=1.06 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.06}),
@@ -229,6 +234,7 @@ def main() -> None:
             "neighbours",
             "neighbours2",
             "curve",
+            "defaults",
             "smoke",
         ),
     )

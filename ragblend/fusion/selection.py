@@ -317,8 +317,7 @@ def make_selector(config: BlendConfig) -> TokenSelector:
     """The selector ``config.selector`` names, built from ``config``.
 
     With a selection option on (chunk starts, rows near the question, adaptive ratio,
-    cached-row temperature) it comes
-    wrapped in a :class:`SelectionPolicy` that applies them.
+    cached-row temperature) it comes wrapped in a :class:`SelectionPolicy` that applies them.
     """
     try:
         factory = SELECTORS[config.selector]

@@ -236,11 +236,12 @@ class ChunkKVSelector(KVDeviationSelector):
     """Whole chunks first: the chunks whose rows deviate most on the check layer (mean KV
     deviation of their candidate rows), each chunk's rows by their own deviation.
 
-    On neighbour-aware caches the error sits in chunks whose prompt context differs from the
-    one they were precomputed in (the first chunk, chunks after a non-neighbour), not in rows
-    scattered over every chunk: recomputing a chunk whole keeps its rows consistent with each
-    other. Scores are chunk rank + row deviation share (in [0, 0.5]), so a budget of any size
-    takes the best chunks in order, the last one partly, by row deviation.
+    The idea: on neighbour-aware caches the error sits in chunks whose prompt context differs
+    from the one they were precomputed in (the first chunk, chunks after a non-neighbour), and
+    a chunk recomputed whole keeps its rows consistent with each other. Measured, it did worse
+    than scattered rows at equal recompute (docs/neighbour_caches.md); kept as an option.
+    Scores are chunk rank + row deviation share (in [0, 0.5]), so a budget of any size takes
+    the best chunks in order, the last one partly, by row deviation.
     """
 
     name = "chunk-kv"
