@@ -50,6 +50,8 @@ def variants(which: str) -> list[Variant]:
     out = [Variant("full", "full"), Variant("reuse", "reuse")]
     if which == "smoke":
         return out + [Variant("kv r=0.15", "blend", {"ratio": 0.15})]
+    if which == "baselines":  # full and reuse alone (e.g. reuse of isolated caches)
+        return out
     r = 0.15
     if which == "curve":  # the defaults' selection at every ratio (issue 54)
         before = Variant("kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": r, **HOT_BEFORE})
@@ -235,6 +237,7 @@ def main() -> None:
             "neighbours2",
             "curve",
             "defaults",
+            "baselines",
             "smoke",
         ),
     )

@@ -119,7 +119,13 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
 def test_gradual_filtering_selects_within_the_previous_selection(tokenizer):
     model = tiny_model("llama", num_hidden_layers=4)
     engine = engine_for(
-        model, tokenizer, ratio=0.2, check_layers=(0, 1, 2), check_scales=(3.0, 2.0, 1.0)
+        model,
+        tokenizer,
+        ratio=0.2,
+        check_layers=(0, 1, 2),
+        check_scales=(3.0, 2.0, 1.0),
+        chunk_start_tokens=0,  # the selector's rows alone
+        near_question_tokens=0,
     )
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
