@@ -46,9 +46,10 @@ class BlendConfig:
     chunk_start_tokens: the first k tokens of every cached chunk are always recomputed (kept at
         every check layer, within the budget when it allows; EPIC's per-chunk attention sinks).
         0: off. Combines with any selector.
-    near_question_tokens: the last k cached tokens before the question are always recomputed
-        (kept at every check layer like chunk starts, within the budget when it allows): the
-        rows the question reads most closely. 0: off. Combines with any selector.
+    near_question_tokens: the last k cached tokens before the question are recomputed first
+        after the chunk starts (kept at every check layer, closest to the question first,
+        always inside the budget): the rows the question reads most closely. 0: off.
+        Combines with any selector.
     cached_temperature: attention logits to rows still served from the cache (not recomputed
         on that layer) are divided by this temperature during a blend prefill (APE); the KV
         kept for decoding is unchanged, and full KV reuse (``mode="reuse"``) is not tempered.
