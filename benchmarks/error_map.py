@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -90,17 +89,30 @@ def kv_deviation(full, reuse, rows: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def groups(layout: dict[str, torch.Tensor], dev: torch.Tensor, ratio: float) -> dict:
-    """The row groups whose recompute is measured (bool [N] each)."""
-    chunk, place = layout["chunk"], layout["place"]
+def row_groups(layout: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Chunk rows by chunk, by place in the chunk and by predecessor (bool [N] each, by
+    category then label; empty groups left out)."""
+    chunk, place, pred = layout["chunk"], layout["place"], layout["pred_neighbour"]
     on = chunk >= 0
+    masks = {
+        "chunk": {f"chunk {i}": chunk == i for i in range(int(chunk.max()) + 1)},
+        "place": {name: place == p for p, name in enumerate(PLACES)},
+        "predecessor": {
+            "predecessor is a neighbour": on & pred & (chunk > 0),
+            "predecessor is not": on & ~pred & (chunk > 0),
+        },
+    }
+    return {key: {k: m for k, m in group.items() if m.any()} for key, group in masks.items()}
+
+
+def recompute_groups(
+    layout: dict[str, torch.Tensor], dev: torch.Tensor, ratio: float
+) -> dict[str, torch.Tensor]:
+    """The row groups whose recompute is measured (bool [N] each)."""
+    on = layout["chunk"] >= 0
     out = {"layer-1 only": torch.zeros_like(on)}
-    for i in range(int(chunk.max()) + 1):
-        out[f"chunk {i}"] = chunk == i
-    for p, name in enumerate(PLACES):
-        out[name] = place == p
-    out["predecessor is a neighbour"] = on & layout["pred_neighbour"]
-    out["predecessor is not"] = on & ~layout["pred_neighbour"] & (chunk > 0)
+    for group in row_groups(layout).values():
+        out.update(group)
     last = int(on.nonzero().max())
     out["last 128 rows"] = on & (torch.arange(on.numel()) > last - 128)
     total = dev.sum(0).masked_fill(~on, -1)
@@ -139,28 +151,21 @@ def measure(engine: BlendEngine, case, max_new_tokens: int, ratio: float) -> dic
     record["reuse"] = kls(reuse)
     record["blend (defaults)"] = kls(engine.prefill(prompt, "blend"))
     record["deviation_by_layer"] = dev[:, on].mean(1).tolist()
-    by: dict[str, dict] = defaultdict(dict)
-    for key, names in (("chunk", None), ("place", PLACES)):
-        for v in sorted(set(layout[key][on].tolist())):
-            label = names[v] if names else f"chunk {v}"
-            rows = on & (layout[key] == v)
-            by[key][label] = dev[:, rows].mean(1).tolist()
-    for flag, label in ((True, "predecessor is a neighbour"), (False, "predecessor is not")):
-        rows = on & (layout["pred_neighbour"] == flag) & (layout["chunk"] > 0)
-        if rows.any():
-            by["predecessor"][label] = dev[:, rows].mean(1).tolist()
-    record["deviation_by"] = by
+    record["deviation_by"] = {
+        key: {label: dev[:, rows].mean(1).tolist() for label, rows in group.items()}
+        for key, group in row_groups(layout).items()
+    }
     record["groups"] = {}
-    for name, rows in groups(layout, dev, ratio).items():
+    for name, rows in recompute_groups(layout, dev, ratio).items():
         size = int(rows.sum())
-        if name != "layer-1 only" and not size:
-            continue
-        view = engine.with_config(
+        view = engine.with_config(  # exactly this group: every selection option off
             selector=FixedRows(rows),
             ratio=size / int(on.sum()),
             check_layers=(1,),
             check_scales=None,
             cached_temperature=1.0,
+            chunk_start_tokens=0,
+            near_question_tokens=0,
         )
         record["groups"][name] = {"rows": size, **kls(view.prefill(prompt, "blend"))}
     return record

@@ -36,7 +36,10 @@ RELEVANCE_KV = {"selector": "relevance-kv"}
 CHUNK_KV = {"selector": "chunk-kv"}
 STARTS = {"chunk_start_tokens": 16}
 HOT = {"cached_temperature": 1.1}
-HOT_BEFORE = {"cached_temperature": 1.06}  # the default before issue 54
+# the defaults before issue 54, on an engine with OPTIONS_OFF
+BEFORE = Variant(
+    "kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": 0.15, "cached_temperature": 1.06}
+)
 OPTIONS_OFF = {
     "cached_temperature": 1.0,
     "chunk_start_tokens": 0,
@@ -54,9 +57,8 @@ def variants(which: str) -> list[Variant]:
         return out
     r = 0.15
     if which == "curve":  # the defaults' selection at every ratio (issue 54)
-        before = Variant("kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": r, **HOT_BEFORE})
         return out + [
-            before,
+            BEFORE,
             *(
                 Variant(f"defaults r={ratio}", "blend", {**default_selection(), "ratio": ratio})
                 for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
@@ -64,7 +66,7 @@ def variants(which: str) -> list[Variant]:
         ]
     if which == "defaults":  # today's defaults against the ones before issue 54
         return out + [
-            Variant("kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": r, **HOT_BEFORE}),
+            BEFORE,
             Variant("defaults r=0.15", "blend", {**default_selection(), "ratio": r}),
         ]
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
@@ -159,8 +161,15 @@ def default_selection() -> dict:
     from ragblend.config import BlendConfig
 
     base = BlendConfig()
-    keys = ("selector", "cached_temperature", "chunk_start_tokens", "near_question_tokens")
-    return {k: getattr(base, k) for k in (*keys, "check_layers", "check_scales")}
+    keys = (
+        "selector",
+        "cached_temperature",
+        "chunk_start_tokens",
+        "near_question_tokens",
+        "check_layers",
+        "check_scales",
+    )
+    return {k: getattr(base, k) for k in keys}
 
 
 def table(results: dict) -> str:
