@@ -237,26 +237,34 @@ class SelectionPolicy:
     def scores(self, check: CheckLayer) -> torch.Tensor:
         return self.inner.scores(check)
 
-    def priority(self, check: CheckLayer) -> torch.Tensor:
-        """fp32 [N], made once per prefill (``check.memory``): +inf on chunk starts, above
-        every finite score and higher the closer to the question on the rows near it, -inf
-        elsewhere; built on the host from the prompt's lists and uploaded in one copy."""
+    def always_kept(self, check: CheckLayer) -> tuple[torch.Tensor, int]:
+        """The rows kept before any scored row, made once per prefill (``check.memory``) in
+        one host pass over the prompt's lists: a priority, fp32 [N] (+inf on chunk starts,
+        above every finite score and higher the closer to the question on the rows near it,
+        -inf elsewhere; uploaded in one copy), and how many chunk starts may be chosen
+        (cached, not exact, not forced). Every such start is still active at a later check
+        layer, since each check layer keeps them all."""
         memory = check.memory
-        if "selection_priority" not in memory:
+        if "always_kept" not in memory:
             prompt = check.prompt
             assert prompt is not None  # only called when the prompt's rows are known
             n = prompt.n
             values = [-math.inf] * n
+            starts = 0
             near = self.near_question_start(prompt)
+            forced = set(prompt.forced_list)
             offsets = prompt.offset_list
             for i in prompt.candidate_list:
+                if i in forced:
+                    continue
                 if offsets[i] < self.chunk_start_tokens:
                     values[i] = math.inf
+                    starts += 1
                 elif i >= near:
                     values[i] = _NEAR * (1 + i / n)
             host = torch.tensor(values, dtype=torch.float32)
-            memory["selection_priority"] = prompt_rows.upload(host, prompt.ids.device)
-        return memory["selection_priority"]
+            memory["always_kept"] = (prompt_rows.upload(host, prompt.ids.device), starts)
+        return memory["always_kept"]
 
     def near_question_start(self, prompt: PromptRows) -> int:
         """First position of the last ``near_question_tokens`` cached rows before the question
@@ -280,21 +288,6 @@ class SelectionPolicy:
             needed = low
         return max(0, min(scores.numel(), high, max(low, needed)))
 
-    def start_count(self, check: CheckLayer) -> int:
-        """How many of ``check.candidates`` are chunk starts, counted on the host: every
-        chunk start that may be chosen (cached, not exact, not forced) is still active, since
-        each check layer keeps them all."""
-        prompt = check.prompt
-        if not self.chunk_start_tokens or prompt is None:
-            return 0
-        forced = set(prompt.forced_list)
-        offsets = prompt.offset_list
-        return sum(
-            1
-            for i in prompt.candidate_list
-            if offsets[i] < self.chunk_start_tokens and i not in forced
-        )
-
     def choose(self, check: CheckLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Local indices into ``check.candidates``: the chunk starts (on top of the budget
         where it is smaller), then the rows near the question, closest first, then the best
@@ -302,11 +295,11 @@ class SelectionPolicy:
         the host)."""
         if self.adaptive_mass is not None:
             budget = self.adaptive_budget(check, scores)  # reads the scores: a host sync
-        starts = self.start_count(check)
-        if check.prompt is None or not (starts or self.near_question_tokens):
+        if check.prompt is None or not (self.chunk_start_tokens or self.near_question_tokens):
             return top_rows(scores, budget)
+        priority, starts = self.always_kept(check)
         finite = scores.float().nan_to_num(nan=torch.finfo(torch.float32).max)
-        ranked = torch.maximum(finite, self.priority(check)[check.rows])
+        ranked = torch.maximum(finite, priority[check.rows])
         return top_rows(ranked, max(budget, starts))
 
 
