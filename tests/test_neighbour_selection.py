@@ -116,6 +116,26 @@ def test_rows_near_the_question_come_first_within_the_budget_of_each_check_layer
             assert kept == set(sorted(near)[k - budget :])
 
 
+def test_the_rows_near_the_question_skip_the_separators_between_chunks(tokenizer):
+    """A window longer than the last chunk goes on into the chunk before it, counting cached
+    rows only (a separator is recomputed anyway and is not one of the k)."""
+    engine = engine_for(
+        tiny_model("llama", num_hidden_layers=3),
+        tokenizer,
+        chunk_start_tokens=0,
+        check_layers=(1,),
+        check_scales=None,
+    )
+    engine.precompute(CHUNKS)
+    _, rows = _selection(engine, 0.0)
+    last_chunk = int((rows.offsets[: rows.question_start] == 0).nonzero().max())
+    k = rows.question_start - last_chunk + 3  # the last chunk and 3 rows before it
+    near = _near_question(rows, k)
+    assert len(near) == k and min(near) < last_chunk - 1  # past the separator
+    trace, _ = _selection(engine.with_config(near_question_tokens=k), k / rows.num_approx)
+    assert set(trace.selections[1].tolist()) - set(rows.forced_list) == near
+
+
 def test_chunk_starts_go_before_rows_near_the_question(tokenizer):
     engine = engine_for(
         tiny_model("llama", num_hidden_layers=3),

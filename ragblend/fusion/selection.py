@@ -269,7 +269,8 @@ class SelectionPolicy:
     def near_question_start(self, prompt: PromptRows) -> int:
         """First position of the last ``near_question_tokens`` cached rows before the question
         (counted over candidates, so separators between chunks do not count)."""
-        before = [i for i in prompt.candidate_list if i < prompt.question_start]
+        forced = set(prompt.forced_list)
+        before = [i for i in prompt.candidate_list if i < prompt.question_start and i not in forced]
         window = before[-self.near_question_tokens :] if self.near_question_tokens else []
         return window[0] if window else prompt.n
 
