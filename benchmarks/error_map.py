@@ -294,6 +294,8 @@ def main() -> None:
     args = ap.parse_args()
 
     overrides = {"precompute_context": args.precompute_context} if args.precompute_context else {}
+    # the neighbour caches' own error: no chunk served from an exact first-chunk entry
+    overrides["exact_first_chunk"] = False
     engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, **overrides)
     engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
     cases = load_cases(

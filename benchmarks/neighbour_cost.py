@@ -11,7 +11,10 @@ warmed untimed), the time ``engine.precompute([chunk])`` takes with:
   their KV;
 - ``reused-stored``: ``reused`` where the neighbours' caches are already stored — what a
   chunk costs once the index it joins is warm, and the rest of a corpus warmup: each chunk
-  is computed at most once alone (as somebody's neighbour) and once after its neighbours.
+  is computed at most once alone (as somebody's neighbour) and once after its neighbours;
+- ``reused-stored-first``: ``reused-stored`` with ``exact_first_chunk``: the chunk also after
+  the prompt head (the entry a prompt's first chunk takes exactly; the head's prefix cache
+  warmed untimed). The other variants run without it.
 
 Neighbours: the chunk's n most similar passages of the whole dataset file (MiniLM), as
 ``ragblend bench`` and ``benchmarks/neighbour_contexts.py`` take them. Reports medians and the
@@ -37,7 +40,7 @@ from ragblend.bench.neighbours import dataset_neighbours
 from ragblend.cpu import cpu_isa, cpu_model
 from ragblend.store.memory import MemoryStore
 
-VARIANTS = ("canonical", "computed", "reused-missing", "reused-stored")
+VARIANTS = ("canonical", "computed", "reused-missing", "reused-stored", "reused-stored-first")
 
 
 def timed_precompute(engine: BlendEngine, variant: str, chunk: str, neighbours: list[str]) -> float:
@@ -45,12 +48,18 @@ def timed_precompute(engine: BlendEngine, variant: str, chunk: str, neighbours: 
     the canonical head's cache and, for ``reused-stored``, the neighbours' own caches)."""
     context = "canonical" if variant == "canonical" else "neighbours"
     rows = "computed" if variant == "computed" else "reused"
+    first = variant == "reused-stored-first"
     view = engine.with_config(
-        precompute_context=context, neighbour_rows=rows, store=MemoryStore(1 << 30)
+        precompute_context=context,
+        neighbour_rows=rows,
+        exact_first_chunk=first,
+        store=MemoryStore(1 << 30),
     )
     view.chunks.prefix_kv(view.chunks.context_ids(view.prompt_head()))
-    if variant == "reused-stored":
-        view.precompute(neighbours, neighbours={nb: [] for nb in neighbours})
+    view.chunks.prefix_kv(view.prompt_head())
+    if variant.startswith("reused-stored"):
+        warm = view.with_config(exact_first_chunk=False)
+        warm.precompute(neighbours, neighbours={nb: [] for nb in neighbours})
     start = time.perf_counter()
     view.precompute([chunk], neighbours={chunk: neighbours})
     return time.perf_counter() - start

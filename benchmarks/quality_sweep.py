@@ -45,6 +45,7 @@ OPTIONS_OFF = {
     "chunk_start_tokens": 0,
     "near_question_tokens": 0,
     "check_scales": (1.5, 0.7),
+    "exact_first_chunk": False,
 }
 
 
@@ -68,6 +69,20 @@ def variants(which: str) -> list[Variant]:
         return out + [
             BEFORE,
             Variant("defaults r=0.15", "blend", {**default_selection(), "ratio": r}),
+        ]
+    if which == "first_chunk":  # the first chunk's exact entry (exact_first_chunk, issue 54)
+        first = {"exact_first_chunk": True}
+        return out + [
+            Variant("reuse, exact first chunk", "reuse", first),
+            Variant("defaults r=0.15", "blend", {**default_selection(), "ratio": r}),
+            *(
+                Variant(
+                    f"defaults, exact first chunk r={ratio}",
+                    "blend",
+                    {**default_selection(), **first, "ratio": ratio},
+                )
+                for ratio in (0.15, 0.18)
+            ),
         ]
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
         return out + [
@@ -246,6 +261,7 @@ def main() -> None:
             "neighbours2",
             "curve",
             "defaults",
+            "first_chunk",
             "baselines",
             "smoke",
         ),
@@ -287,9 +303,12 @@ def main() -> None:
     rows: list[dict[str, dict]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the first chunk's exact entries are stored where a variant reads them
+    first = any(v.overrides.get("exact_first_chunk") for v in grid)
+    precompute = engine.with_config(exact_first_chunk=True) if first else engine
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
-        engine.precompute(case.chunks)
+        precompute.precompute(case.chunks)
         rows.append(measure_case(engine, views, grid, case, args.max_new_tokens))
         results = summarize(rows)
         results["settings"] = {

@@ -78,6 +78,11 @@ class ChunkCache:
             return str(self.layers.dtype).removeprefix("torch.")
         return self.config.kv_dtype
 
+    @property
+    def lossless(self) -> bool:
+        """Whether chunk KV is stored at the compute dtype (an exact cache stays exact)."""
+        return self.kv_dtype == str(self.layers.dtype).removeprefix("torch.")
+
     def head(self, prompt_format: PromptFormat) -> list[int]:
         """Token ids before the first chunk (template head + system + user prefix)."""
         head = self._heads.get(prompt_format)
@@ -302,18 +307,25 @@ class ChunkCache:
         neighbours: Sequence[Sequence[int]] = (),
     ) -> bool:
         """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
-        ``between_layers`` and ``neighbours`` (token ids of each): see ``compute_kv``."""
+        ``between_layers`` and ``neighbours`` (token ids of each): see ``compute_kv``. With
+        ``exact_first_chunk``, also the chunk as a prompt's first chunk (after ``head``)."""
         context_ids = self.context_ids(head)
-        key = self.key(context_ids=context_ids, chunk_ids=chunk_ids)
-        if key in self.store:
-            return False
-        args = (list(chunk_ids), context_ids, between_layers, neighbours)
-        try:
-            kv = self.compute_kv(*args)
-        except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
-            kv = self.compute_kv(*args)
-        self.store.put(key, pack(kv, self.kv_dtype))
-        return True
+        entries = [(context_ids, neighbours)]
+        if self.config.exact_first_chunk and context_ids != list(head):
+            entries.append((list(head), ()))
+        stored = False
+        for context, nb in entries:
+            key = self.key(context_ids=context, chunk_ids=chunk_ids)
+            if key in self.store:
+                continue
+            args = (list(chunk_ids), context, between_layers, nb)
+            try:
+                kv = self.compute_kv(*args)
+            except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
+                kv = self.compute_kv(*args)
+            self.store.put(key, pack(kv, self.kv_dtype))
+            stored = True
+        return stored
 
     def precompute(
         self,
@@ -356,6 +368,11 @@ class ChunkCache:
         for i, chunk in enumerate(prompt.chunks):
             if i and prompt.separator:
                 segments.append(Segment("separator", prompt.separator))
+            if i == 0 and self.config.exact_first_chunk:
+                kv = self.store.get(self.key(context_ids=prompt.head, chunk_ids=chunk))
+                if kv is not None:
+                    segments.append(Segment("chunk", chunk, kv, exact=self.lossless))
+                    continue
             kv = self.store.get(self.key(context_ids=context_ids, chunk_ids=chunk))
             if kv is None:
                 missing.append(i)

@@ -81,6 +81,13 @@ class BlendConfig:
         their own cache where stored, else their isolated KV, computed once and kept in the
         precomputing process's memory; only the chunk's rows are computed) or ``"computed"`` (every
         neighbour row computed with the chunk, exactly as a prefill of the whole context).
+    exact_first_chunk: precompute also stores each chunk as a prompt's *first* chunk sees it:
+        prefilled after the prompt head exactly as full prefill computes it (a prefix cache of
+        head + chunk; one more entry per chunk and prompt head, at ``kv_dtype``). A prompt
+        whose first chunk has that entry takes it, and where ``kv_dtype`` is the compute dtype
+        its rows are exact: never recomputed, out of the ratio's budget. ``False``: one entry
+        per chunk (half the storage, a faster precompute). With ``precompute_context="prefix"``
+        the chunk's own entry is that one already.
     packed_decode: on CPU, decode steps' linears run on oneDNN weights prepacked once
         (``ragblend.models.packed``): bf16 one-row inputs (identical outputs; CPUs at the
         ``avx512`` level or with AVX-NE-CONVERT) and fp32 inputs of up to 16 rows (a batched
@@ -157,6 +164,11 @@ class BlendConfig:
     # 1.34x an isolated precompute per chunk once its neighbours are stored instead of 3.59x
     # (benchmarks/neighbour_contexts.py --neighbour-rows, benchmarks/neighbour_cost.py).
     neighbour_rows: NeighbourRows = "reused"
+    # The first chunk's neighbour cache saw neighbours its prompt does not have; its exact
+    # entry (one more per chunk) took blend's answer KL from 0.51x to 0.36x reuse's on dev
+    # questions 0-11 and held out on 12-39 (benchmarks/quality_sweep.py --which first_chunk),
+    # and out of the budget the same ratio runs faster.
+    exact_first_chunk: bool = True
     mode: Mode = "blend"
     device: str = "cpu"
     dtype: str = "auto"
@@ -227,6 +239,10 @@ class BlendConfig:
             raise RagblendError(
                 f"neighbour_rows must be one of {', '.join(NEIGHBOUR_ROWS)}, "
                 f"got {self.neighbour_rows!r}"
+            )
+        if not isinstance(self.exact_first_chunk, bool):
+            raise RagblendError(
+                f"exact_first_chunk must be True or False, got {self.exact_first_chunk!r}"
             )
         n = self.precompute_neighbours
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

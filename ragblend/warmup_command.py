@@ -62,6 +62,14 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--precompute-neighbours", type=int, default=2, help="neighbours per chunk (neighbours)"
     )
+    p.add_argument(
+        "--exact-first-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also store each chunk as the first chunk of a prompt in ragblend's default format "
+        "sees it (taken exactly by such prompts; a server's own templates do not hit it; "
+        "default: on, the engine's default)",
+    )
     add_store_arguments(
         p,
         redis_help="write into the shared Redis/Valkey tier (redis://, rediss:// or unix:// URL)",
@@ -156,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
             raise RagblendError("--precompute-context previous needs --dataset (document order)")
     config["precompute_context"] = kind
     config["precompute_neighbours"] = args.precompute_neighbours
+    if args.exact_first_chunk is not None:
+        config["exact_first_chunk"] = args.exact_first_chunk
     if args.ray:  # the driver only needs the tokenizer; actors load the model
         from transformers import AutoTokenizer
 

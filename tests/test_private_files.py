@@ -89,8 +89,8 @@ def test_warmup_into_a_store_path_writes_only_owner_private_entries(
     modes = assert_private(store)
     names = set(modes)
     assert {"data", "tmp", "index", "index/index.db"} <= names
-    entries = len(DiskStore(store))  # the chunks and the prompt head; the store still reads
-    assert entries == len(CHUNKS) + 1
+    entries = len(DiskStore(store))  # the chunks and the heads; the store still reads
+    assert entries == 2 * len(CHUNKS) + 2  # each chunk's own and first-chunk entries
     assert sum(n.endswith(".safetensors") for n in names) == entries
     assert oct(stat.S_IMODE((tmp_path / "deep").stat().st_mode)) == "0o700"
 
@@ -177,4 +177,5 @@ def test_warmup_cli_into_a_fresh_home_records_the_embedded_model_privately(tmp_p
     assert not [n for n in modes if n.endswith(".safetensors") and n.startswith("models/")]
     assert "kv/index/index.db" in modes
     entry_files = [n for n in modes if n.startswith("kv/") and n.endswith(".safetensors")]
-    assert len(entry_files) == 2  # one chunk and the prompt head
+    # one chunk twice (its own entry and the first chunk's) and two heads (canonical, prompt)
+    assert len(entry_files) == 4

@@ -41,6 +41,12 @@ def model_dir(tmp_path_factory, tokenizer) -> Path:
     return path
 
 
+def entries(n_chunks: int) -> int:
+    """A warmed store's entries: each chunk's own and its first-chunk entry
+    (``exact_first_chunk``), the canonical head's and the prompt head's exact caches."""
+    return 2 * n_chunks + 2
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> tuple[Path, int]:
     """12 questions × 3 ctxs; every third question reuses an earlier passage (dedup)."""
@@ -102,7 +108,7 @@ def test_warmup_stores_every_distinct_chunk_and_resumes_by_skipping(
     out = capsys.readouterr().out
     assert f"{n_chunks} chunks stored, 0 already stored" in out
     store = check_store(store_path)
-    assert len(store) == n_chunks + 1  # + the prompt head's exact prefix cache
+    assert len(store) == entries(n_chunks)
 
     assert main(warmup_args(path, model_dir, store_path)) == 0
     assert f"0 chunks stored, {n_chunks} already stored" in capsys.readouterr().out
@@ -298,7 +304,7 @@ def test_kills_at_any_point_leave_only_complete_entries_and_warmup_resumes(
     assert debris > 0  # the killed writers left temp files behind, never indexed
     assert main(args) == 0  # resume to completion
     store = check_store(store_path)
-    assert len(store) == n_chunks + 1
+    assert len(store) == entries(n_chunks)
     cleaned = store.gc(grace_s=0)
     assert cleaned["stale_tmp"] >= 1 and cleaned["orphans"] >= 2  # mid-write; rename, index
     assert len(list(store.data_dir.glob("*/*.safetensors"))) == len(store)
@@ -316,9 +322,9 @@ def test_two_processes_warming_the_same_chunks_store_each_once(dataset, model_di
         assert proc.returncode == 0, err
         assert "warmup:" in out
     store = check_store(store_path)
-    assert len(store) == n_chunks + 1
-    assert store.counters()["puts"] == n_chunks + 1  # one indexed write per chunk
-    assert len(list(store.data_dir.glob("*/*.safetensors"))) == n_chunks + 1
+    assert len(store) == entries(n_chunks)
+    assert store.counters()["puts"] == entries(n_chunks)  # one indexed write per entry
+    assert len(list(store.data_dir.glob("*/*.safetensors"))) == entries(n_chunks)
     assert not list(store.tmp_dir.iterdir())
     engine = BlendEngine.from_pretrained(str(model_dir), store=store)
     ref = BlendEngine.from_pretrained(str(model_dir), store=MemoryStore())

@@ -104,6 +104,13 @@ def add_parser(sub) -> None:
         help=f"neighbours per chunk (default: engine default {defaults.precompute_neighbours})",
     )
     p.add_argument(
+        "--exact-first-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also store each chunk as a prompt's first chunk sees it, taken exactly (default: "
+        f"engine default {defaults.exact_first_chunk})",
+    )
+    p.add_argument(
         "--model",
         default="embedded",
         help="'embedded', 'gemma', a .gguf file or a local HF model dir",
@@ -155,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["precompute_context"] = args.precompute_context
     if args.precompute_neighbours is not None:
         overrides["precompute_neighbours"] = args.precompute_neighbours
+    if args.exact_first_chunk is not None:
+        overrides["exact_first_chunk"] = args.exact_first_chunk
     config = BlendConfig(**overrides)
     store: KVStore | None = None
     before = None
@@ -209,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         "cached_temperature": config.cached_temperature,
         "chunk_start_tokens": config.chunk_start_tokens,
         "near_question_tokens": config.near_question_tokens,
+        "exact_first_chunk": config.exact_first_chunk,
         "precompute_context": config.precompute_context,
         "precompute_neighbours": (
             config.precompute_neighbours if config.precompute_context == "neighbours" else None
