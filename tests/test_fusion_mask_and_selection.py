@@ -126,6 +126,7 @@ def test_gradual_filtering_selects_within_the_previous_selection(tokenizer):
         check_scales=(3.0, 2.0, 1.0),
         chunk_start_tokens=0,  # the selector's rows alone
         near_question_tokens=0,
+        exact_first_chunk=False,  # every chunk's rows are candidates
     )
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)

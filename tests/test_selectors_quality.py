@@ -69,6 +69,7 @@ def test_chunk_starts_are_recomputed_on_every_layer_after_each_check_layer(
         chunk_start_tokens=k,
         check_layers=(0, 2),
         check_scales=(2.0, 1.0),
+        exact_first_chunk=False,  # every chunk has starts to recompute
     )
     engine.precompute(CHUNKS)
     trace = SelectionTrace()

@@ -106,7 +106,8 @@ def test_reading_one_layer_reads_only_that_layers_bytes(tmp_path, monkeypatch):
 
 def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, tokenizer):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
-    engine = make_engine("llama", tokenizer, store)
+    # one entry per chunk: no first-chunk entry (exact_first_chunk) besides the heads
+    engine = make_engine("llama", tokenizer, store).with_config(exact_first_chunk=False)
     engine.precompute(CHUNKS[:1])
     context = engine._context_ids(engine.prompt_head())
     (key,) = [k for k in store.keys() if k != engine._prefix_key(context)]
@@ -279,7 +280,8 @@ def test_precompute_calls_between_layers_once_per_layer_and_stores_the_same_kv(t
     head = hooked.prompt_head()
     assert hooked.precompute_ids(ids, head, lambda: calls.append(1))
     assert plain.precompute_ids(ids, head)
-    assert len(calls) == hooked.layers.num_layers
+    # once per layer of each computation: the chunk's own entry and its first-chunk entry
+    assert len(calls) == 2 * hooked.layers.num_layers
     key = hooked.chunks.key(context_ids=hooked.chunks.context_ids(head), chunk_ids=ids)
     got, want = hooked.store.get(key), plain.store.get(key)
     assert got is not None and want is not None

@@ -119,16 +119,17 @@ def test_cache_cli_reports_verifies_and_drops_bad_redis_entries(
         return code, json.loads(capsys.readouterr().out)
 
     code, stats = report("stats")
-    assert code == 0 and stats["entries"] == 7 and stats["bytes"] > 0  # 6 chunks + prompt head
+    # 6 chunks, each with its first-chunk entry (exact_first_chunk), + canonical and prompt heads
+    assert code == 0 and stats["entries"] == 14 and stats["bytes"] > 0
     assert report("stats", "--namespace", "other")[1]["entries"] == 0
     store = RedisStore(redis_server.url)
     key = next(iter(store.keys()))
     store._client.hset(store.redis_key(key), layer_field(0), b"garbage")
     code, verified = report("verify")
-    assert code == 1 and verified["corrupt"] == 1 and verified["ok"] == 6
+    assert code == 1 and verified["corrupt"] == 1 and verified["ok"] == 13
     code, collected = report("gc")
     assert code == 0 and collected["dropped"] == 1
-    assert report("verify")[1] == {"ok": 6, "corrupt": 0, "foreign": 0, "errors": [], "dropped": 0}
+    assert report("verify")[1] == {"ok": 13, "corrupt": 0, "foreign": 0, "errors": [], "dropped": 0}
     store.close()
     assert main(["cache", "stats", "--redis-url", "redis://127.0.0.1:1/0"]) == 2  # clean error
 
@@ -171,8 +172,10 @@ def test_bench_on_the_redis_tier_records_it_and_hits(dataset, model_dir, redis_s
     assert results["settings"]["tier"] == "redis"
     assert results["settings"]["namespace"] == "bench"
     assert RedisStore(redis_server.url, namespace="bench").ping()
-    # 4 chunks + the canonical precompute head + the query's own prompt head
-    assert len(list(RedisStore(redis_server.url, namespace="bench").keys())) == 6
+    # 4 chunks, each also as a first chunk (exact_first_chunk), + the canonical precompute head
+    # and the query's own prompt head
+    assert results["settings"]["exact_first_chunk"] is True
+    assert len(list(RedisStore(redis_server.url, namespace="bench").keys())) == 10
 
 
 # ---------------------------------------------------------------------- Ray
