@@ -10,7 +10,9 @@ store can match them in prompts. With a neighbour context (``"neighbours"``/``"p
 chunk is prefilled after the canonical head and its neighbours (``ragblend.neighbours``), and
 only its own rows are kept; its key is the canonical one (the neighbours are not in it), so
 any engine looking the chunk up under ``"canonical"`` finds it — a store holds one cache per
-chunk, whichever context computed it first.
+chunk, whichever context computed it first. With ``exact_first_chunk`` a chunk also has an
+entry under the key of the prompt head it was precomputed for (a prefix cache of head +
+chunk), which a prompt's first chunk takes exactly.
 """
 
 from __future__ import annotations

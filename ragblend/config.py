@@ -165,9 +165,10 @@ class BlendConfig:
     # (benchmarks/neighbour_contexts.py --neighbour-rows, benchmarks/neighbour_cost.py).
     neighbour_rows: NeighbourRows = "reused"
     # The first chunk's neighbour cache saw neighbours its prompt does not have; its exact
-    # entry (one more per chunk) took blend's answer KL from 0.51x to 0.36x reuse's on dev
-    # questions 0-11 and held out on 12-39 (benchmarks/quality_sweep.py --which first_chunk),
-    # and out of the budget the same ratio runs faster.
+    # entry (one more per chunk) took blend's answer KL from 0.57x to 0.46x reuse's on held-out
+    # dev questions 12-39 (0.51x to 0.36x on 0-11), first-token KL 0.54x to 0.42x, and with
+    # its rows out of the budget the same ratio ran faster (benchmarks/quality_sweep.py
+    # --which first_chunk).
     exact_first_chunk: bool = True
     mode: Mode = "blend"
     device: str = "cpu"

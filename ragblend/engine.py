@@ -404,7 +404,8 @@ class BlendEngine:
 
     def _fused_prefill(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
         """Fused prefill; a stored entry that fails verification is dropped and recomputed."""
-        for _ in range(len(prompt.chunks) + 1):
+        # the head, every chunk and the first chunk's exact entry may each be dropped once
+        for _ in range(len(prompt.chunks) + 2):
             try:
                 return self._fused_prefill_once(prompt, mode, ratio, stats)
             except CorruptEntryError as exc:

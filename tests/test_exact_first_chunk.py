@@ -11,6 +11,7 @@ from helpers import assert_matches_hf, engine_for, hf_forward
 from ragblend.errors import RagblendError
 from ragblend.fusion.fusor import fuse
 from ragblend.fusion.trace import SelectionTrace
+from ragblend.store.disk import DiskStore
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -137,3 +138,48 @@ def test_a_chunk_without_its_first_chunk_entry_uses_its_own_entry(tokenizer):
 def test_exact_first_chunk_must_be_a_bool(tokenizer):
     with pytest.raises(RagblendError, match="exact_first_chunk must be True or False"):
         engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer, exact_first_chunk=1)
+
+
+def _flip_last_layer_byte(store: DiskStore, key: str) -> None:
+    path = store.data_dir / store.index.get(key).file
+    with open(path, "r+b") as f:
+        f.seek(-100, 2)  # inside the last layer's V
+        byte = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_corrupt_first_chunk_entry_is_dropped_and_the_chunk_served_from_its_own(
+    tokenizer, tmp_path
+):
+    store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
+    engine = engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer)
+    engine.store = store
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    want = engine.with_config(exact_first_chunk=False).prefill(prompt, "blend")
+    first = engine.chunks.key(context_ids=prompt.head, chunk_ids=prompt.chunks[0])
+    _flip_last_layer_byte(store, first)
+    got = engine.prefill(prompt, "blend")
+    assert first not in store
+    assert got.stats.chunk_hits == len(CHUNKS)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_every_entry_of_a_prompt_corrupt_is_recomputed_not_a_crash(tokenizer, tmp_path):
+    """The head, the first chunk's exact entry and every chunk's own: each dropped once."""
+    store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
+    engine = engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer)
+    engine.store = store
+    engine.precompute(CHUNKS)
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    keys = list(store.keys())
+    head = engine.chunks.prefix_key(prompt.head)
+    assert len(keys) == 2 * len(CHUNKS) + 2 and head in keys
+    canonical = engine.chunks.prefix_key(engine.chunks.context_ids(prompt.head))
+    for key in keys:
+        if key != canonical:  # the precompute head: only read when a chunk is computed
+            _flip_last_layer_byte(store, key)
+    got = engine.prefill(prompt, "blend")
+    assert got.stats.chunk_misses == len(CHUNKS)
+    torch.testing.assert_close(got.logits, engine.prefill(prompt, "full").logits, atol=1e-4, rtol=0)
