@@ -40,7 +40,7 @@ from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.chunk_texts import ChunkTexts
 from ragblend.store.keys import chunk_key
 from ragblend.store.memory import MemoryStore
-from ragblend.store.quant import pack
+from ragblend.store.quant import dtype_name, pack
 from ragblend.threads import core_free_for_a_reader
 
 # the neighbours' isolated KV one ChunkCache keeps while precomputing (neighbour_rows="reused")
@@ -77,13 +77,13 @@ class ChunkCache:
     def kv_dtype(self) -> str:
         """Storage dtype of chunk KV ("auto" resolves to the compute dtype)."""
         if self.config.kv_dtype == "auto":
-            return str(self.layers.dtype).removeprefix("torch.")
+            return dtype_name(self.layers.dtype)
         return self.config.kv_dtype
 
     @property
     def lossless(self) -> bool:
         """Whether chunk KV is stored at the compute dtype (an exact cache stays exact)."""
-        return self.kv_dtype == str(self.layers.dtype).removeprefix("torch.")
+        return self.kv_dtype == dtype_name(self.layers.dtype)
 
     def head(self, prompt_format: PromptFormat) -> list[int]:
         """Token ids before the first chunk (template head + system + user prefix)."""

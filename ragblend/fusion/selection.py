@@ -251,8 +251,8 @@ class SelectionPolicy:
             n = prompt.n
             values = [-math.inf] * n
             starts = 0
-            near = self.near_question_start(prompt)
             forced = set(prompt.forced_list)
+            near = self.near_question_start(prompt, forced)
             offsets = prompt.offset_list
             for i in prompt.candidate_list:
                 if i in forced:
@@ -266,10 +266,10 @@ class SelectionPolicy:
             memory["always_kept"] = (prompt_rows.upload(host, prompt.ids.device), starts)
         return memory["always_kept"]
 
-    def near_question_start(self, prompt: PromptRows) -> int:
+    def near_question_start(self, prompt: PromptRows, forced: set[int]) -> int:
         """First position of the last ``near_question_tokens`` cached rows before the question
-        (counted over candidates, so separators between chunks do not count)."""
-        forced = set(prompt.forced_list)
+        (counted over candidates not in ``forced``, the prompt's forced rows, so separators
+        between chunks do not count)."""
         before = [i for i in prompt.candidate_list if i < prompt.question_start and i not in forced]
         window = before[-self.near_question_tokens :] if self.near_question_tokens else []
         return window[0] if window else prompt.n
