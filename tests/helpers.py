@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ragblend import BlendConfig, BlendEngine
+from ragblend.fusion.fusor import FusionResult, Segment, fuse
+from ragblend.fusion.trace import FusionTrace
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
@@ -96,3 +100,30 @@ def assert_matches_hf(
         k_ref, v_ref = layer_kv(ref.past_key_values, layer)
         torch.testing.assert_close(k, k_ref, atol=atol, rtol=rtol)
         torch.testing.assert_close(v, v_ref, atol=atol, rtol=rtol)
+
+
+def fuse_prompt(
+    engine: BlendEngine, prompt, ratio: float, trace: FusionTrace | None = None, selector=None
+) -> tuple[FusionResult, list[Segment]]:
+    """The fusor run on ``prompt`` over the engine's stored chunks at ``ratio`` (its schedule,
+    its selector unless given), and the segments it ran on."""
+    segments, _ = engine.chunks.lookup(prompt)
+    out = fuse(
+        engine.layers,
+        segments,
+        engine.chunks.loader(segments),
+        engine.config.schedule(ratio),
+        selector or engine.selector,
+        trace=trace,
+    )
+    return out, segments
+
+
+def flip_last_layer_byte(store, key: str) -> None:
+    """Flip one byte inside a DiskStore entry's last layer (its V): a corrupt entry."""
+    path = store.data_dir / store.index.get(key).file
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))

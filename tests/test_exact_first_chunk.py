@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
-from helpers import assert_matches_hf, engine_for, hf_forward
+from helpers import assert_matches_hf, engine_for, flip_last_layer_byte, fuse_prompt, hf_forward
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.fusor import fuse
 from ragblend.fusion.trace import SelectionTrace
 from ragblend.store.disk import DiskStore
 
@@ -39,17 +38,9 @@ def test_blend_at_ratio_one_equals_hf_full_prefill(tokenizer, family):
 
 
 def _fused(engine, prompt) -> tuple[list, SelectionTrace, object]:
-    segments, missing = engine.chunks.lookup(prompt)
-    assert missing == []
     trace = SelectionTrace()
-    result = fuse(
-        engine.layers,
-        segments,
-        engine.chunks.loader(segments),
-        engine.config.schedule(0.5),
-        engine.selector,
-        trace=trace,
-    )
+    result, segments = fuse_prompt(engine, prompt, 0.5, trace)
+    assert all(s.kv is not None for s in segments if s.kind == "chunk")  # no chunk missed
     return segments, trace, result
 
 
@@ -140,26 +131,22 @@ def test_exact_first_chunk_must_be_a_bool(tokenizer):
         engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer, exact_first_chunk=1)
 
 
-def _flip_last_layer_byte(store: DiskStore, key: str) -> None:
-    path = store.data_dir / store.index.get(key).file
-    with open(path, "r+b") as f:
-        f.seek(-100, 2)  # inside the last layer's V
-        byte = f.read(1)
-        f.seek(-100, 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
+def _warmed_on_disk(tokenizer, tmp_path):
+    """An engine (defaults) over a DiskStore holding every chunk, and the prompt of them."""
+    store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
+    engine = engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer)
+    engine.store = store
+    engine.precompute(CHUNKS)
+    return engine, store, engine.tokenize(QUESTION, CHUNKS)
 
 
 def test_a_corrupt_first_chunk_entry_is_dropped_and_the_chunk_served_from_its_own(
     tokenizer, tmp_path
 ):
-    store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
-    engine = engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer)
-    engine.store = store
-    engine.precompute(CHUNKS)
-    prompt = engine.tokenize(QUESTION, CHUNKS)
+    engine, store, prompt = _warmed_on_disk(tokenizer, tmp_path)
     want = engine.with_config(exact_first_chunk=False).prefill(prompt, "blend")
     first = engine.chunks.key(context_ids=prompt.head, chunk_ids=prompt.chunks[0])
-    _flip_last_layer_byte(store, first)
+    flip_last_layer_byte(store, first)
     got = engine.prefill(prompt, "blend")
     assert first not in store
     assert got.stats.chunk_hits == len(CHUNKS)
@@ -168,18 +155,14 @@ def test_a_corrupt_first_chunk_entry_is_dropped_and_the_chunk_served_from_its_ow
 
 def test_every_entry_of_a_prompt_corrupt_is_recomputed_not_a_crash(tokenizer, tmp_path):
     """The head, the first chunk's exact entry and every chunk's own: each dropped once."""
-    store = DiskStore(tmp_path / "kv", 1 << 30, fsync=False)
-    engine = engine_for(tiny_model("llama", num_hidden_layers=2), tokenizer)
-    engine.store = store
-    engine.precompute(CHUNKS)
-    prompt = engine.tokenize(QUESTION, CHUNKS)
+    engine, store, prompt = _warmed_on_disk(tokenizer, tmp_path)
     keys = list(store.keys())
     head = engine.chunks.prefix_key(prompt.head)
     assert len(keys) == 2 * len(CHUNKS) + 2 and head in keys
     canonical = engine.chunks.prefix_key(engine.chunks.context_ids(prompt.head))
     for key in keys:
         if key != canonical:  # the precompute head: only read when a chunk is computed
-            _flip_last_layer_byte(store, key)
+            flip_last_layer_byte(store, key)
     got = engine.prefill(prompt, "blend")
     assert got.stats.chunk_misses == len(CHUNKS)
     torch.testing.assert_close(got.logits, engine.prefill(prompt, "full").logits, atol=1e-4, rtol=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CHUNKS, QUESTION, tiny_model
-from helpers import engine_for
+from helpers import engine_for, fuse_prompt
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows, position_mask
@@ -130,16 +130,8 @@ def test_gradual_filtering_selects_within_the_previous_selection(tokenizer):
     )
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    segments, _ = engine.chunks.lookup(prompt)
     trace = SelectionTrace()
-    out = fuse(
-        engine.layers,
-        segments,
-        engine.chunks.loader(segments),
-        engine.config.schedule(0.2),
-        engine.selector,
-        trace=trace,
-    )
+    out, _ = fuse_prompt(engine, prompt, 0.2, trace)
     chunk_tokens = sum(len(c) for c in prompt.chunks)
     forced = len(prompt.ids) - len(prompt.head) - chunk_tokens
     sel = [set(trace.selections[layer].tolist()) for layer in (0, 1, 2)]

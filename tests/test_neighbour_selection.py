@@ -6,27 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
-from helpers import assert_matches_hf, engine_for, hf_forward
+from helpers import assert_matches_hf, engine_for, fuse_prompt, hf_forward
 
 from ragblend import BlendConfig
 from ragblend.errors import RagblendError
-from ragblend.fusion.fusor import fuse
 from ragblend.fusion.rows import prompt_rows
 from ragblend.fusion.trace import SelectionTrace
 
 
 def _selection(engine, ratio: float) -> tuple[SelectionTrace, object]:
-    prompt = engine.tokenize(QUESTION, CHUNKS)
-    segments, _ = engine.chunks.lookup(prompt)
     trace = SelectionTrace()
-    fuse(
-        engine.layers,
-        segments,
-        engine.chunks.loader(segments),
-        engine.config.schedule(ratio),
-        engine.selector,
-        trace=trace,
-    )
+    _, segments = fuse_prompt(engine, engine.tokenize(QUESTION, CHUNKS), ratio, trace)
     return trace, prompt_rows(segments, "cpu")
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
-from helpers import assert_matches_hf, engine_for, hf_forward
+from helpers import assert_matches_hf, engine_for, fuse_prompt, hf_forward
 
 from ragblend import BlendConfig
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.fusor import fuse
 from ragblend.fusion.rows import prompt_rows
 from ragblend.fusion.selection import (
     CachedKeyTemperature,
@@ -33,18 +32,8 @@ EVERY_OPTION = dict(
 
 
 def _fused(engine, selector=None, ratio=None, trace=None):
-    prompt = engine.tokenize(QUESTION, CHUNKS)
-    segments, _ = engine.chunks.lookup(prompt)
     ratio = engine.config.ratio if ratio is None else ratio
-    out = fuse(
-        engine.layers,
-        segments,
-        engine.chunks.loader(segments),
-        engine.config.schedule(ratio),
-        selector or engine.selector,
-        trace=trace,
-    )
-    return out, segments
+    return fuse_prompt(engine, engine.tokenize(QUESTION, CHUNKS), ratio, trace, selector)
 
 
 def _chunk_starts(segments, k: int) -> set[int]:

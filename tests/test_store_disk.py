@@ -11,6 +11,7 @@ import sqlite3
 import pytest
 import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
+from helpers import flip_last_layer_byte
 
 from ragblend import BlendConfig, BlendEngine
 from ragblend.errors import CorruptEntryError
@@ -179,15 +180,6 @@ def test_entries_written_by_one_store_object_are_visible_to_another(tmp_path):
 
 
 # ---------------------------------------------------------------------- integrity
-def _flip_layer_byte(store, key):
-    path = entry_path(store, key)
-    with open(path, "r+b") as f:
-        f.seek(-100, os.SEEK_END)  # inside the last layer's V
-        byte = f.read(1)
-        f.seek(-100, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def _truncate(store, key):
     path = entry_path(store, key)
     os.truncate(path, path.stat().st_size - 64)
@@ -223,7 +215,7 @@ def _index_version(store, key):
 
 
 DAMAGE = {
-    "checksum": lambda s, k, mp, o: _flip_layer_byte(s, k),
+    "checksum": lambda s, k, mp, o: flip_last_layer_byte(s, k),
     "truncated": lambda s, k, mp, o: _truncate(s, k),
     "foreign": _foreign,
     "version": _other_version,
@@ -263,11 +255,11 @@ def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tok
     prompt = engine.tokenize(QUESTION, CHUNKS[:2])
     prefix_key = engine._prefix_key(prompt.head)
     want = engine.prefill(prompt, mode="blend")
-    _flip_layer_byte(store, prefix_key)
+    flip_last_layer_byte(store, prefix_key)
     got = engine.prefill(prompt, mode="blend")  # the head's cache is recomputed and re-stored
     assert torch.equal(got.logits, want.logits) and prefix_key in store
     context_key = engine._prefix_key(engine._context_ids(prompt.head))  # precompute's head
-    _flip_layer_byte(store, context_key)
+    flip_last_layer_byte(store, context_key)
     assert engine.precompute(CHUNKS[2:]) == 1
     assert store.verify()["corrupt"] == 0
 
@@ -291,7 +283,7 @@ def test_precompute_calls_between_layers_once_per_layer_and_stores_the_same_kv(t
 def test_checksum_mismatch_raises_corrupt_entry_error_and_drops_the_entry(tmp_path):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     store.put("k", random_kv())
-    _flip_layer_byte(store, "k")
+    flip_last_layer_byte(store, "k")
     entry = store.get("k")  # the header is fine: the damage shows when the layer is read
     entry.layer(0)
     with pytest.raises(CorruptEntryError) as info:
@@ -337,7 +329,7 @@ def test_verify_reports_bad_entries_and_gc_removes_them_with_orphans(tmp_path):
     store = DiskStore(tmp_path, 1 << 30, fsync=False)
     for i, name in enumerate(["good", "flipped", "cut"]):
         store.put(name, random_kv(seed=i))
-    _flip_layer_byte(store, "flipped")
+    flip_last_layer_byte(store, "flipped")
     _truncate(store, "cut")
     (store.tmp_dir / "dead.123.tmp").write_bytes(b"partial")
     orphan = store.data_dir / "zz" / "zz.orphan.safetensors"
@@ -370,7 +362,7 @@ def test_cache_cli_reports_stats_verifies_and_collects(tmp_path, capsys):
     assert stats["counters"] == {"hits": 1, "misses": 1, "puts": 2, "evictions": 0}
     assert stats["tiers"]["disk"]["bytes"] == store.nbytes
 
-    _flip_layer_byte(store, "b")
+    flip_last_layer_byte(store, "b")
     assert main(["cache", "verify", "--store-path", str(tmp_path)]) == 1
     assert "corrupt 1" in capsys.readouterr().out
     assert main(["cache", "gc", "--store-path", str(tmp_path), "--max-bytes", "0"]) == 0
