@@ -290,12 +290,20 @@ def main() -> None:
     ap.add_argument("--precompute-context", default=None, help="default: the engine's")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--decode-activations",
+        default="float",
+        choices=("float", "int8", "auto"),
+        help="BlendConfig.decode_activations of the answer's decode and teacher forcing "
+        "(default float: int8 activations round differently teacher-forced than decoded)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     overrides = {"precompute_context": args.precompute_context} if args.precompute_context else {}
     # the neighbour caches' own error: no chunk served from an exact first-chunk entry
     overrides["exact_first_chunk"] = False
+    overrides["decode_activations"] = args.decode_activations
     engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, **overrides)
     engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
     cases = load_cases(

@@ -251,7 +251,8 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     fusor.cached_key_temper = scaled_temper  # the S lever; unchanged for every other selector
-    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype)
+    # exact decode activations: the answer decoded and teacher-forced with the same arithmetic
+    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, decode_activations="float")
     cases = load_cases(
         args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
     )[args.offset :]

@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    base = BlendEngine.from_pretrained("embedded")
+    # exact decode activations: the answer decoded and teacher-forced with the same arithmetic
+    base = BlendEngine.from_pretrained("embedded", decode_activations="float")
     engine = base.with_config(ratio=args.ratio, check_layers=(1,), check_scales=None)
     cases = load_cases(args.dataset, engine.tokenizer, 6, 512, args.offset + args.limit)
     results: dict[str, list[float]] = {}

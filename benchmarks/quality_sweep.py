@@ -10,7 +10,12 @@ Agreement is exact greedy agreement computed by teacher forcing: a variant's gre
 equals full prefill's iff its argmax after every prefix of that answer is the answer's next
 token (and EOS after the whole answer, when the answer ended there). That is one forward pass
 instead of a token-by-token decode per variant — what makes a 20-question grid fit a shared
-2-core CPU — and it is stricter than sweep.py's normalised-text agreement.
+2-core CPU — and it is stricter than sweep.py's normalised-text agreement. The answers are
+decoded, and teacher-forced, with exact activations (``--decode-activations float``, the
+default here): with llama.cpp's 8-bit activations (``auto`` on AVX2 for a GGUF) a teacher-forced
+pass rounds a few activations to other int8 steps than the token-by-token decode did, so full
+prefill itself disagreed with its own decoded answer on a fifth of the questions, and every
+KL carried that rounding's noise beside the prefill's own error.
 
     python benchmarks/quality_sweep.py --dataset ../shared/data/musique_dev.json \\
         --offset 20 --limit 20 --out benchmarks/results/intel-amx
@@ -281,6 +286,13 @@ def main() -> None:
     ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--decode-activations",
+        default="float",
+        choices=("float", "int8", "auto"),
+        help="BlendConfig.decode_activations of the answers' decode and teacher forcing "
+        "(default float: the prefill's error alone; the grids of 2026-11-27 ran with auto)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -288,7 +300,13 @@ def main() -> None:
     # rows near the question, the second check layer's scale before issue 54), so a variant's
     # name says everything it runs with
     context = {"precompute_context": args.precompute_context} if args.precompute_context else {}
-    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, **context, **OPTIONS_OFF)
+    engine = BlendEngine.from_pretrained(
+        args.model,
+        dtype=args.dtype,
+        decode_activations=args.decode_activations,
+        **context,
+        **OPTIONS_OFF,
+    )
     engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
     cases = load_cases(
         args.dataset,
@@ -314,6 +332,7 @@ def main() -> None:
         results["settings"] = {
             **vars(args),
             "precompute_context": engine.config.precompute_context,
+            "decode_activations_resolved": engine.decode_activations,
             "n": len(rows),
             "torch_threads": torch.get_num_threads(),
         }

@@ -647,10 +647,19 @@ class BlendEngine:
         return list(ids)
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt (a
-        GGUF's quantized linears multiplying as this engine's decode steps do:
-        :attr:`decode_activations`)."""
-        return teacher_forced_logits(self.model, prefill, answer_ids, self.decode_activations)
+        """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt,
+        through this engine's own decode steps (its kernels, ``kv_cache_dtype`` and
+        :attr:`decode_activations`): a greedy answer is its own argmax row by row."""
+        self.prepare_decode()
+        return teacher_forced_logits(
+            self.model,
+            prefill,
+            answer_ids,
+            self.layers,
+            self.native,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            activations=self.decode_activations,
+        )
 
 
 _UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for

@@ -80,7 +80,8 @@ class Prefill:
     fusion: object | None = None  # the FusionResult, for fused modes
 
     def copy(self) -> Prefill:
-        """An independent copy (teacher forcing mutates the cache; decoding does not)."""
+        """An independent copy, its cache deep-copied (decoding and teacher forcing run in
+        caches of their own and leave this one as it was)."""
         cache = copy.deepcopy(self.cache)
         return Prefill(self.logits, cache, self.prompt_ids, copy.copy(self.stats), self.fusion)
 
@@ -349,26 +350,26 @@ class Decoder:
 
 
 def teacher_forced_logits(
-    model: PreTrainedModel, prefill: Prefill, answer_ids: list[int], activations: str = "float"
+    model: PreTrainedModel,
+    prefill: Prefill,
+    answer_ids: list[int],
+    layers: LayerwiseModel | None = None,
+    kernels: NativeKernels | None = None,
+    *,
+    kv_cache_dtype: str = "auto",
+    activations: str = "float",
 ) -> torch.Tensor:
     """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt.
 
-    ``activations="int8"``: the answer goes in pieces of at most 16 tokens inside an int8
-    decode step, so a GGUF's quantized linears multiply each row as an int8 decode step would
-    (their rows are quantized one by one: a row's product does not depend on the piece)."""
-    rows = [prefill.logits.view(1, -1)]
+    Row 0 is the prefill's; row i is what a decode step gives after ``answer_ids[:i]``, through
+    the decoder :func:`decode_tokens` runs (:func:`decoder_for` with the same ``layers``,
+    ``kernels``, ``kv_cache_dtype`` and ``activations``), one token a step. So a greedy answer's
+    ids are its own argmax row by row, whatever the numerics: a batched forward over the answer
+    rounds some of int8 activations' inputs to other steps than the decode did. ``prefill.cache``
+    is not modified."""
+    rows = [prefill.logits.reshape(-1).float()]
     if len(answer_ids) > 1:
-        fed = answer_ids[:-1]
-        piece = 16 if activations == "int8" else len(fed)
-        cache = copy.deepcopy(prefill.cache)
-        with torch.inference_mode(), step_activations(activations):
-            for start in range(0, len(fed), piece):
-                out = model(
-                    input_ids=torch.tensor(
-                        [fed[start : start + piece]], device=prefill.logits.device
-                    ),
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                rows.append(out.logits[0].float())
-    return torch.cat(rows, dim=0)
+        total = len(prefill.prompt_ids) + len(answer_ids)
+        decoder = decoder_for(model, layers, prefill, total, kernels, kv_cache_dtype, activations)
+        rows += [decoder.step(token).float().clone() for token in answer_ids[:-1]]
+    return torch.stack(rows)
