@@ -89,6 +89,38 @@ def variants(which: str) -> list[Variant]:
                 for ratio in (0.15, 0.18)
             ),
         ]
+    if which == "layers":  # a per-layer budget: more check layers at about the same cost
+        first = {**default_selection(), "exact_first_chunk": True, "ratio": r}
+        schedules = {
+            "(1,10) 1.5/1.0": ((1, 10), (1.5, 1.0)),  # the defaults
+            "(1,10,20) 1.5/1.1/0.9": ((1, 10, 20), (1.5, 1.1, 0.9)),
+            "(1,10,20) 1.5/1.0/0.8": ((1, 10, 20), (1.5, 1.0, 0.8)),
+            "(1,5,10) 1.8/1.4/1.0": ((1, 5, 10), (1.8, 1.4, 1.0)),
+            "(1,5,10,20) 1.8/1.4/1.1/0.9": ((1, 5, 10, 20), (1.8, 1.4, 1.1, 0.9)),
+            "(1,15) 1.3/0.9": ((1, 15), (1.3, 0.9)),
+        }
+        return out + [
+            Variant(
+                f"exact first chunk, check {name} r=0.15",
+                "blend",
+                {**first, "check_layers": layers, "check_scales": scales},
+            )
+            for name, (layers, scales) in schedules.items()
+        ]
+    if which == "query":  # the query-driven selectors on reused neighbour caches (issue 54)
+        first = {**default_selection(), "exact_first_chunk": True, "ratio": r}
+        return out + [
+            Variant("exact first chunk, kv-deviation r=0.15", "blend", first),
+            Variant("exact first chunk, relevance-kv r=0.15", "blend", {**first, **RELEVANCE_KV}),
+            Variant(
+                "exact first chunk, relevance r=0.15", "blend", {**first, "selector": "relevance"}
+            ),
+            Variant(
+                "exact first chunk, relevance-kv near128 r=0.15",
+                "blend",
+                {**first, **RELEVANCE_KV, "near_question_tokens": 128},
+            ),
+        ]
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
         return out + [
             Variant("kv T=1.06 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.06}),
@@ -267,6 +299,8 @@ def main() -> None:
             "curve",
             "defaults",
             "first_chunk",
+            "layers",
+            "query",
             "baselines",
             "smoke",
         ),
