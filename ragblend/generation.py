@@ -364,9 +364,9 @@ def teacher_forced_logits(
     Row 0 is the prefill's; row i is what a decode step gives after ``answer_ids[:i]``, through
     the decoder :func:`decode_tokens` runs (:func:`decoder_for` with the same ``layers``,
     ``kernels``, ``kv_cache_dtype`` and ``activations``), one token a step. So a greedy answer's
-    ids are its own argmax row by row, whatever the numerics: a batched forward over the answer
-    rounds some of int8 activations' inputs to other steps than the decode did. ``prefill.cache``
-    is not modified."""
+    ids are its own argmax row by row, whatever the numerics (a batched forward over the answer
+    rounds some int8 activations differently from the decode's steps). ``prefill.cache`` is not
+    modified."""
     rows = [prefill.logits.reshape(-1).float()]
     if len(answer_ids) > 1:
         total = len(prefill.prompt_ids) + len(answer_ids)
