@@ -34,7 +34,7 @@ import torch
 
 from ragblend import BlendEngine
 from ragblend.bench.datasets import load_cases
-from ragblend.bench.metrics import kl_divergence
+from ragblend.bench.metrics import add_decode_activations_argument, kl_divergence
 from ragblend.bench.neighbours import with_dataset_neighbours
 
 START_ROWS = 16
@@ -290,13 +290,7 @@ def main() -> None:
     ap.add_argument("--precompute-context", default=None, help="default: the engine's")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument(
-        "--decode-activations",
-        default="float",
-        choices=("float", "int8", "auto"),
-        help="BlendConfig.decode_activations of the answer's decode and teacher forcing "
-        "(default float: int8 activations round differently teacher-forced than decoded)",
-    )
+    add_decode_activations_argument(ap)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 

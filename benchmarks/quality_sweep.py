@@ -8,14 +8,13 @@ KV reuse, and answer KL / reuse vs speedup with the Pareto front.
 
 Agreement is exact greedy agreement computed by teacher forcing: a variant's greedy answer
 equals full prefill's iff its argmax after every prefix of that answer is the answer's next
-token (and EOS after the whole answer, when the answer ended there). That is one forward pass
-instead of a token-by-token decode per variant — what makes a 20-question grid fit a shared
-2-core CPU — and it is stricter than sweep.py's normalised-text agreement. The answers are
-decoded, and teacher-forced, with exact activations (``--decode-activations float``, the
-default here): with llama.cpp's 8-bit activations (``auto`` on AVX2 for a GGUF) a teacher-forced
-pass rounds a few activations to other int8 steps than the token-by-token decode did, so full
-prefill itself disagreed with its own decoded answer on a fifth of the questions, and every
-KL carried that rounding's noise beside the prefill's own error.
+token (and EOS after the whole answer, when the answer ended there). The variant is fed full
+prefill's answer (the decode steps the answer KL needs anyway) instead of decoding its own,
+and this is stricter than sweep.py's normalised-text agreement. The answers are decoded, and
+teacher-forced, with exact activations (``--decode-activations float``, the default here), so
+every KL is the prefill's error alone. The grids of 2026-11-27 ran with ``auto`` (llama.cpp's
+8-bit activations on AVX2) and a batched teacher-forced forward, which rounded differently from
+the decode: full prefill disagreed with its own answer on a fifth of the questions.
 
     python benchmarks/quality_sweep.py --dataset ../shared/data/musique_dev.json \\
         --offset 20 --limit 20 --out benchmarks/results/intel-amx
@@ -34,7 +33,7 @@ import torch
 from ragblend import BlendEngine
 from ragblend.bench.datasets import load_cases
 from ragblend.bench.harness import Variant
-from ragblend.bench.metrics import kl_divergence
+from ragblend.bench.metrics import add_decode_activations_argument, kl_divergence
 from ragblend.bench.neighbours import with_dataset_neighbours
 
 RELEVANCE_KV = {"selector": "relevance-kv"}
@@ -89,8 +88,9 @@ def variants(which: str) -> list[Variant]:
                 for ratio in (0.15, 0.18)
             ),
         ]
+    # today's defaults at r = 0.15, the first chunk's exact entry included
+    first_chunk_defaults = {**default_selection(), "exact_first_chunk": True, "ratio": r}
     if which == "layers":  # a per-layer budget: more check layers at about the same cost
-        first = {**default_selection(), "exact_first_chunk": True, "ratio": r}
         schedules = {
             "(1,10) 1.5/1.0": ((1, 10), (1.5, 1.0)),  # the defaults
             "(1,10,20) 1.5/1.1/0.9": ((1, 10, 20), (1.5, 1.1, 0.9)),
@@ -103,22 +103,27 @@ def variants(which: str) -> list[Variant]:
             Variant(
                 f"exact first chunk, check {name} r=0.15",
                 "blend",
-                {**first, "check_layers": layers, "check_scales": scales},
+                {**first_chunk_defaults, "check_layers": layers, "check_scales": scales},
             )
             for name, (layers, scales) in schedules.items()
         ]
     if which == "query":  # the query-driven selectors on reused neighbour caches (issue 54)
-        first = {**default_selection(), "exact_first_chunk": True, "ratio": r}
         return out + [
-            Variant("exact first chunk, kv-deviation r=0.15", "blend", first),
-            Variant("exact first chunk, relevance-kv r=0.15", "blend", {**first, **RELEVANCE_KV}),
+            Variant("exact first chunk, kv-deviation r=0.15", "blend", first_chunk_defaults),
             Variant(
-                "exact first chunk, relevance r=0.15", "blend", {**first, "selector": "relevance"}
+                "exact first chunk, relevance-kv r=0.15",
+                "blend",
+                {**first_chunk_defaults, **RELEVANCE_KV},
+            ),
+            Variant(
+                "exact first chunk, relevance r=0.15",
+                "blend",
+                {**first_chunk_defaults, "selector": "relevance"},
             ),
             Variant(
                 "exact first chunk, relevance-kv near128 r=0.15",
                 "blend",
-                {**first, **RELEVANCE_KV, "near_question_tokens": 128},
+                {**first_chunk_defaults, **RELEVANCE_KV, "near_question_tokens": 128},
             ),
         ]
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
@@ -320,13 +325,7 @@ def main() -> None:
     ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument(
-        "--decode-activations",
-        default="float",
-        choices=("float", "int8", "auto"),
-        help="BlendConfig.decode_activations of the answers' decode and teacher forcing "
-        "(default float: the prefill's error alone; the grids of 2026-11-27 ran with auto)",
-    )
+    add_decode_activations_argument(ap)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 

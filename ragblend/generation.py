@@ -371,5 +371,6 @@ def teacher_forced_logits(
     if len(answer_ids) > 1:
         total = len(prefill.prompt_ids) + len(answer_ids)
         decoder = decoder_for(model, layers, prefill, total, kernels, kv_cache_dtype, activations)
-        rows += [decoder.step(token).float().clone() for token in answer_ids[:-1]]
+        # a step's logits may sit in a buffer the decoder's next step reuses
+        rows += [decoder.step(token).clone() for token in answer_ids[:-1]]
     return torch.stack(rows)

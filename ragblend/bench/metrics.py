@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import string
 from collections import Counter
 
 import torch
+
+from ragblend.config import DECODE_ACTIVATIONS
 
 
 def normalize_answer(text: str) -> str:
@@ -36,3 +39,17 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch
     p_log = torch.log_softmax(reference_logits.float(), dim=-1)
     q_log = torch.log_softmax(logits.float(), dim=-1)
     return (p_log.exp() * (p_log - q_log)).sum(dim=-1).clamp_min(0.0)  # no float-noise negatives
+
+
+def add_decode_activations_argument(parser: argparse.ArgumentParser) -> None:
+    """``--decode-activations`` of a fidelity benchmark (default ``float``): the
+    ``BlendConfig.decode_activations`` its reference answer is decoded and teacher-forced with.
+    Exact activations leave the prefill's error alone in every KL; ``auto`` (8-bit on AVX2 for
+    a GGUF) adds llama.cpp's rounding to it."""
+    parser.add_argument(
+        "--decode-activations",
+        default="float",
+        choices=DECODE_ACTIVATIONS,
+        help="decode activations of the answers' decode and teacher forcing (default float: "
+        "the prefill's error alone; the issue-54 grids of 2026-11-27 ran with auto)",
+    )
