@@ -126,6 +126,18 @@ def variants(which: str) -> list[Variant]:
                 {**first_chunk_defaults, **RELEVANCE_KV, "near_question_tokens": 128},
             ),
         ]
+    if which == "fitted":  # chunks precomputed after their prompt predecessor: recompute less
+        return out + [
+            Variant("exact first chunk r=0.15", "blend", first_chunk_defaults),
+            *(
+                Variant(
+                    f"exact first chunk, fitted weight {w} r=0.15",
+                    "blend",
+                    {**first_chunk_defaults, "fitted_chunk_weight": w},
+                )
+                for w in (0.0, 0.25, 0.5)
+            ),
+        ]
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
         return out + [
             Variant("kv T=1.06 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.06}),
@@ -221,6 +233,7 @@ def default_selection() -> dict:
     keys = (
         "selector",
         "cached_temperature",
+        "fitted_chunk_weight",
         "chunk_start_tokens",
         "near_question_tokens",
         "check_layers",
@@ -306,6 +319,7 @@ def main() -> None:
             "first_chunk",
             "layers",
             "query",
+            "fitted",
             "baselines",
             "smoke",
         ),

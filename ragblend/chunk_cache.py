@@ -38,7 +38,7 @@ from ragblend.prompt import (
 )
 from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.chunk_texts import ChunkTexts
-from ragblend.store.keys import chunk_key
+from ragblend.store.keys import chunk_key, ids_digest
 from ragblend.store.memory import MemoryStore
 from ragblend.store.quant import dtype_name, pack
 from ragblend.threads import core_free_for_a_reader
@@ -283,6 +283,8 @@ class ChunkCache:
             "tokens": len(ids),
             "context": self.key(context_ids=context_ids, chunk_ids=[])[:16],
         }
+        if neighbours:  # a string: every tier keeps scalar meta (see Segment.fits)
+            meta["neighbours"] = ",".join(ids_digest(n) for n in neighbours)
         return ChunkKV(k=k, v=v, meta=meta)
 
     def prefix_kv(self, head: list[int]) -> KVEntry | None:
@@ -378,7 +380,8 @@ class ChunkCache:
             kv = self.store.get(self.key(context_ids=context_ids, chunk_ids=chunk))
             if kv is None:
                 missing.append(i)
-            segments.append(Segment("chunk", chunk, kv))
+            fits = bool(i) and kv is not None and precomputed_after(kv, prompt.chunks[i - 1])
+            segments.append(Segment("chunk", chunk, kv, fits=fits))
         segments.append(Segment("tail", prompt.tail))
         return segments, missing
 
@@ -388,6 +391,12 @@ class ChunkCache:
             self.prefix_segment(prompt.head),
             Segment("rest", prompt.ids[len(prompt.head) :]),
         ]
+
+
+def precomputed_after(kv: KVEntry, ids: Sequence[int]) -> bool:
+    """Whether ``kv`` was precomputed after the chunk ``ids`` (one of its neighbours)."""
+    named = str(kv.meta.get("neighbours") or "")
+    return bool(named) and ids_digest(ids) in named.split(",")
 
 
 def _calling_before_each(items: Iterable, hook: Callable[[], None]) -> Iterator:

@@ -54,6 +54,11 @@ class BlendConfig:
         on that layer) are divided by this temperature during a blend prefill (APE); the KV
         kept for decoding is unchanged, and full KV reuse (``mode="reuse"``) is not tempered.
         1.0: off.
+    fitted_chunk_weight: a chunk whose cache was precomputed after the chunk that precedes it
+        in the prompt (one of its precompute neighbours, recorded in the entry) is nearly
+        what full prefill computes: its rows' selector scores are multiplied by this weight,
+        and below 1 its chunk starts are not always kept (0: its rows are recomputed only
+        after every other row). 1.0: off. Needs a neighbour context.
     adaptive_mass: instead of a fixed ratio, a check layer keeps the fewest top-scored rows
         covering this share of the selector's score mass, clamped to ``adaptive_ratio``
         (min, max) × the check layer's scale. ``None``: off (the fixed ``ratio``).
@@ -150,6 +155,7 @@ class BlendConfig:
     chunk_start_tokens: int = 16
     near_question_tokens: int = 256
     cached_temperature: float = 1.0
+    fitted_chunk_weight: float = 1.0
     adaptive_mass: float | None = None
     adaptive_ratio: tuple[float, float] = (0.05, 0.3)
     # Template-independent: a chunk warmed once hits under any template or system prompt, at
@@ -271,6 +277,9 @@ def check_selection_options(config: BlendConfig) -> None:
     t = config.cached_temperature
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
         raise RagblendError(f"cached_temperature must be a number > 0, got {t!r}")
+    w = config.fitted_chunk_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+        raise RagblendError(f"fitted_chunk_weight must be a number in [0, 1], got {w!r}")
     mass = config.adaptive_mass
     if mass is not None and (
         isinstance(mass, bool) or not isinstance(mass, (int, float)) or not 0 < mass <= 1

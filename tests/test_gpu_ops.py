@@ -161,6 +161,7 @@ def test_uploads_skipped_on_cpu_make_device_tensors():
         ids: list
         kv: object = None
         exact: bool = False
+        fits: bool = False
 
         def __len__(self):
             return len(self.ids)

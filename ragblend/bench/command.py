@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "selector": config.selector,
         "deviation": config.deviation,
         "cached_temperature": config.cached_temperature,
+        "fitted_chunk_weight": config.fitted_chunk_weight,
         "chunk_start_tokens": config.chunk_start_tokens,
         "near_question_tokens": config.near_question_tokens,
         "exact_first_chunk": config.exact_first_chunk,

@@ -31,6 +31,9 @@ class Segment:
     ``exact`` marks a cache that equals full prefill (a prefix cache at position 0): its rows
     are never recomputed. Rows of segments without a cache are always recomputed.
     ``computed``: the cache was computed for this prompt, not served from the store.
+    ``fits``: the cache was precomputed after the chunk that precedes it in this prompt (one
+    of its precompute neighbours), so it is nearly what full prefill computes
+    (``BlendConfig.fitted_chunk_weight``).
     """
 
     kind: str
@@ -38,6 +41,7 @@ class Segment:
     kv: KVEntry | None = None
     exact: bool = False
     computed: bool = False
+    fits: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -19,6 +19,9 @@ class HasCache(Protocol):
     @property
     def exact(self) -> bool: ...
 
+    @property
+    def fits(self) -> bool: ...
+
     def __len__(self) -> int: ...
 
 
@@ -37,7 +40,8 @@ class PromptRows:
 
     Everything is built on the host and uploaded at once (one copy per dtype): the counts and
     the host lists ``candidate_list``/``forced_list``/``offset_list`` size every selection
-    without reading the device back (no host sync on a GPU).
+    without reading the device back (no host sync on a GPU). ``fitted_list`` (host, [N]): the
+    row's segment ``fits`` (its cache was precomputed after the chunk before it).
     """
 
     ids: torch.Tensor
@@ -53,6 +57,7 @@ class PromptRows:
     candidate_list: list[int]
     forced_list: list[int]
     offset_list: list[int]
+    fitted_list: list[bool]
 
     @property
     def n(self) -> int:
@@ -66,10 +71,12 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
     cached: list[bool] = []
     exact: list[bool] = []
     offsets: list[int] = []
+    fitted: list[bool] = []
     for seg in segments:
         cached += [seg.kv is not None] * len(seg)
         exact += [seg.kv is not None and seg.exact] * len(seg)
         offsets += range(len(seg))
+        fitted += [seg.kv is not None and seg.fits] * len(seg)
     forced = [not c for c in cached]
     forced[n - 1] = True
     candidates = [i for i in range(n) if not exact[i]]
@@ -94,6 +101,7 @@ def prompt_rows(segments: Sequence[HasCache], device: torch.device | str) -> Pro
         candidate_list=candidates,
         forced_list=forced_list,
         offset_list=offsets,
+        fitted_list=fitted,
     )
 
 

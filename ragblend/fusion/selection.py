@@ -188,6 +188,11 @@ class SelectionPolicy:
         scores cover this share of the candidates' score mass, clamped to ``adaptive_ratio``
         × the check layer's scale × the cached rows.
     cached_temperature: see :func:`cached_key_temper`.
+    fitted_chunk_weight: the scores of rows in a chunk that *fits* its place (its cache was
+        precomputed after the chunk before it in the prompt, ``Segment.fits``) are multiplied
+        by this (every selector here scores >= 0; at 0 they come after every other row, in
+        their score order); below 1 their chunk starts are not always kept either. Rows near
+        the question are kept as for any chunk.
     """
 
     def __init__(
@@ -200,6 +205,7 @@ class SelectionPolicy:
         adaptive_ratio: tuple[float, float] = (0.05, 0.3),
         check_scales: dict[int, float] | None = None,
         cached_temperature: float = 1.0,
+        fitted_chunk_weight: float = 1.0,
     ) -> None:
         self.inner = inner
         self.name = inner.name
@@ -209,6 +215,7 @@ class SelectionPolicy:
         self.adaptive_ratio = adaptive_ratio
         self.check_scales = check_scales or {}
         self.cached_temperature = cached_temperature
+        self.fitted_chunk_weight = float(fitted_chunk_weight)
 
     @classmethod
     def wrap(cls, inner: TokenSelector, config: BlendConfig) -> TokenSelector:
@@ -218,6 +225,7 @@ class SelectionPolicy:
             and not config.near_question_tokens
             and config.adaptive_mass is None
             and config.cached_temperature == 1.0
+            and config.fitted_chunk_weight == 1.0
         ):
             return inner
         scales = config.check_scales or (1.0,) * len(config.check_layers)
@@ -229,6 +237,7 @@ class SelectionPolicy:
             adaptive_ratio=(float(config.adaptive_ratio[0]), float(config.adaptive_ratio[1])),
             check_scales=dict(zip(config.check_layers, scales)),
             cached_temperature=config.cached_temperature,
+            fitted_chunk_weight=config.fitted_chunk_weight,
         )
 
     def observe(self, check: CheckLayer) -> None:
@@ -243,7 +252,8 @@ class SelectionPolicy:
         above every finite score and higher the closer to the question on the rows near it,
         -inf elsewhere; uploaded in one copy), and how many chunk starts may be chosen
         (cached, not exact, not forced). Every such start is still active at a later check
-        layer, since each check layer keeps them all."""
+        layer, since each check layer keeps them all. A fitted chunk's starts are not kept
+        when ``fitted_chunk_weight`` < 1."""
         memory = check.memory
         if "always_kept" not in memory:
             prompt = check.prompt
@@ -254,10 +264,12 @@ class SelectionPolicy:
             forced = set(prompt.forced_list)
             near = self.near_question_start(prompt, forced)
             offsets = prompt.offset_list
+            skip_fitted = self.fitted_chunk_weight < 1.0
             for i in prompt.candidate_list:
                 if i in forced:
                     continue
-                if offsets[i] < self.chunk_start_tokens:
+                start = offsets[i] < self.chunk_start_tokens
+                if start and not (skip_fitted and prompt.fitted_list[i]):
                     values[i] = math.inf
                     starts += 1
                 elif i >= near:
@@ -265,6 +277,30 @@ class SelectionPolicy:
             host = torch.tensor(values, dtype=torch.float32)
             memory["always_kept"] = (prompt_rows.upload(host, prompt.ids.device), starts)
         return memory["always_kept"]
+
+    def fitted_rows(self, check: CheckLayer) -> torch.Tensor | None:
+        """Bool [N]: rows of fitted chunks, made once per prefill (one copy); ``None`` when
+        the weight changes no score (1, or no fitted chunk in the prompt)."""
+        memory = check.memory
+        if "fitted_rows" not in memory:
+            prompt = check.prompt
+            assert prompt is not None  # only called when the prompt's rows are known
+            rows = None
+            if self.fitted_chunk_weight != 1.0 and any(prompt.fitted_list):
+                host = torch.tensor(prompt.fitted_list, dtype=torch.bool)
+                rows = prompt_rows.upload(host, prompt.ids.device)
+            memory["fitted_rows"] = rows
+        return memory["fitted_rows"]
+
+    def lowered(self, check: CheckLayer, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` [m] (>= 0, fp32) with the fitted chunks' rows lowered: × the weight;
+        at 0 mapped to -1 / (1 + score), below every other row and still in score order."""
+        fitted = self.fitted_rows(check)
+        if fitted is None:
+            return scores
+        w = self.fitted_chunk_weight
+        low = scores * w if w > 0 else -1.0 / (1.0 + scores)
+        return torch.where(fitted[check.rows], low, scores)
 
     def near_question_start(self, prompt: PromptRows, forced: set[int]) -> int:
         """First position of the last ``near_question_tokens`` cached rows before the question
@@ -292,15 +328,17 @@ class SelectionPolicy:
     def choose(self, check: CheckLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Local indices into ``check.candidates``: the chunk starts (on top of the budget
         where it is smaller), then the rows near the question, closest first, then the best
-        others (one ``topk`` with the starts and near rows ranked first; its size is known on
-        the host)."""
+        others by score (× ``fitted_chunk_weight`` in fitted chunks; one ``topk`` with the
+        starts and near rows ranked first; its size is known on the host)."""
         if self.adaptive_mass is not None:
             budget = self.adaptive_budget(check, scores)  # reads the scores: a host sync
-        if check.prompt is None or not (self.chunk_start_tokens or self.near_question_tokens):
+        if check.prompt is None or not (
+            self.chunk_start_tokens or self.near_question_tokens or self.fitted_chunk_weight != 1
+        ):
             return top_rows(scores, budget)
         priority, starts = self.always_kept(check)
         finite = scores.float().nan_to_num(nan=torch.finfo(torch.float32).max)
-        ranked = torch.maximum(finite, priority[check.rows])
+        ranked = torch.maximum(self.lowered(check, finite), priority[check.rows])
         return top_rows(ranked, max(budget, starts))
 
 

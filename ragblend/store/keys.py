@@ -50,6 +50,13 @@ def _ids_bytes(ids: Sequence[int]) -> bytes:
     return torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()
 
 
+def ids_digest(ids: Sequence[int]) -> str:
+    """A short digest of token ``ids`` (16 hex digits): how an entry's ``meta`` names the
+    neighbours it was precomputed after, so a prompt can tell whether a chunk's predecessor
+    was one of them."""
+    return hashlib.sha256(_ids_bytes(ids)).hexdigest()[:16]
+
+
 def chunk_key(
     *,
     fingerprint: str,
