@@ -9,10 +9,12 @@ from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import assert_matches_hf, engine_for, fuse_prompt, hf_forward
 
 from ragblend import BlendConfig, BlendEngine
+from ragblend.bench.gpu_ops import DeviceTracker, count_prefill
 from ragblend.errors import RagblendError
 from ragblend.fusion.rows import prompt_rows
 from ragblend.fusion.trace import SelectionTrace
 from ragblend.store.disk import DiskStore
+from ragblend.store.memory import MemoryStore
 
 # CHUNKS[1] and CHUNKS[2] are precomputed after CHUNKS[0]; CHUNKS[0] alone
 NEIGHBOURS = {CHUNKS[0]: [], CHUNKS[1]: [CHUNKS[0]], CHUNKS[2]: [CHUNKS[0]]}
@@ -87,7 +89,7 @@ def test_fitted_rows_are_ranked_by_their_lowered_score_and_lose_their_chunk_star
         kept, _, trace = _kept(engine, (len(starts) + extra) / rows.num_approx)
         scores = {candidates[j]: float(trace.scores[1][j]) for j in free}
 
-        def rank(i: int) -> tuple[int, float]:
+        def rank(i: int, scores: dict[int, float] = scores) -> tuple[int, float]:
             if i not in fitted:
                 return (0, -scores[i])
             return (0, -scores[i] * weight) if weight else (1, -scores[i])
@@ -122,3 +124,24 @@ def test_fitted_weight_changes_nothing_without_a_fitted_chunk(tokenizer):
 def test_bad_fitted_chunk_weight_is_one_clear_error(bad):
     with pytest.raises(RagblendError, match="fitted_chunk_weight"):
         BlendConfig(fitted_chunk_weight=bad)
+
+
+def test_lowering_the_fitted_rows_reads_nothing_back_from_the_device(tokenizer):
+    """On the path a GPU runs, the fitted rows' mask is uploaded once and lowers the scores
+    on the device: no host sync, as without it."""
+    store = MemoryStore(1 << 30)
+    config = BlendConfig(
+        precompute_context="neighbours", exact_first_chunk=False, row_attention="masked"
+    )
+    model = tiny_model("llama", num_hidden_layers=4)
+    engine = BlendEngine(model, tokenizer, config, store=store)
+    engine.precompute(CHUNKS, neighbours=NEIGHBOURS)
+    store.prefetch_depth = 0  # layers loaded on this thread, where the counter sees them
+    prompt = engine.tokenize(QUESTION, CHUNKS)
+    tracker = DeviceTracker.for_model(model)
+    plain = count_prefill(engine, prompt, "blend", tracker=tracker)
+    lowered = count_prefill(
+        engine.with_config(fitted_chunk_weight=0.0), prompt, "blend", tracker=tracker
+    )
+    assert plain.syncs_per_prefill == lowered.syncs_per_prefill == 0
+    assert lowered.kernels_per_check_layer > plain.kernels_per_check_layer  # it did run
