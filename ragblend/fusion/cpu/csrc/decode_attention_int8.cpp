@@ -34,31 +34,15 @@
 #include <utility>
 #include <vector>
 
+#include "decode_lanes.h"
 #include "decode_step.h"
 #include "unroll.h"
 
 namespace {
 
-using ragblend::unroll;
 using ragblend::decode::Block;
 using ragblend::decode::decode_step;
-using ragblend::decode::kKeyBlock;
-using Vec = at::vec::Vectorized<float>;
-using Lanes = __m256;
-
-constexpr int64_t kLanes = 8;
-constexpr int64_t kValueRun = 32;  // value rows widened to L1 and weighed together
-static_assert(kLanes == Vec::size(), "at::vec's width must be AVX2's");
-
-// A transposing reduction: lane j of the result is the sum of acc[j]'s lanes.
-RAGBLEND_INLINE Lanes sum_lanes(Lanes* acc) {
-  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  return _mm256_add_ps(lo, hi);
-}
+static_assert(kLanes == 8, "the 8-bit K/V kernel is AVX2's (8 lanes)");
 
 // Codes and scales of one buffer (one KV head of one request): row t's codes at
 // codes + t * code_stride, its dim / block scales at scales + t * scale_stride.
@@ -83,90 +67,23 @@ RAGBLEND_INLINE void widen(const Rows& src, int64_t t0, int64_t n, int64_t dim, 
   }
 }
 
-// kLanes dot products of q with the kLanes float32 rows of dim at k. D: the head dim where it
-// is known when compiling (its loop unrolled), else 0 and `dim`.
-template <int D>
-RAGBLEND_INLINE Lanes dot_lanes(const float* q, const float* k, int64_t dim) {
-  if constexpr (D > 0) dim = D;
-  Lanes acc[kLanes];
-  unroll<kLanes>([&](auto j) RAGBLEND_INLINE_LAMBDA { acc[j] = _mm256_setzero_ps(); });
-  for (int64_t d = 0; d < dim; d += kLanes) {
-    const Lanes qd = _mm256_loadu_ps(q + d);
-    unroll<kLanes>([&](auto j) RAGBLEND_INLINE_LAMBDA {
-      acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + j * dim + d), acc[j]);
-    });
-  }
-  return sum_lanes(acc);
-}
-
 // s[r * kKeyBlock + t - begin] = scale * q_r . k_t for keys [begin, end) and `rows` query rows
 // (q_stride apart); keys widened kLanes at a time into wide (kLanes x dim), a short last run
 // padded with zero rows so that every key is scored the same way.
 template <int D>
 void scores(const float* q, int64_t q_stride, int64_t rows, const Rows& keys, int64_t begin,
             int64_t end, int64_t dim, float scale, float* s, float* wide) {
-  const Lanes vscale = _mm256_set1_ps(scale);
+  const Vec vscale(scale);
   for (int64_t t = begin; t < end; t += kLanes) {
     const int64_t n = std::min(kLanes, end - t);
     widen(keys, t, n, dim, wide);
     if (n < kLanes) std::fill(wide + n * dim, wide + kLanes * dim, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
-      alignas(32) float dots[kLanes];
-      _mm256_store_ps(dots, _mm256_mul_ps(dot_lanes<D>(q + r * q_stride, wide, dim), vscale));
+      float dots[kLanes];
+      (dot_lanes<D>(q + r * q_stride, wide, dim, dim) * vscale).store(dots);
       std::copy(dots, dots + n, s + r * kKeyBlock + t - begin);
     }
   }
-}
-
-// exp(s - max) in place over n scores; returns (max, sum of the exps).
-std::pair<float, float> exponentiate(float* s, int64_t n) {
-  const float max = at::vec::reduce_all<float>(
-      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
-  const Vec shift(-max);
-  int64_t j = 0;
-  Vec acc(0.0f);
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec e = (Vec::loadu(s + j) + shift).exp_u20();
-    acc = acc + e;
-    e.store(s + j);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - max);
-    sum += s[j];
-  }
-  return {max, sum};
-}
-
-// out[r, d0 : d0 + kLanes W] (+)= sum_t s[r, t] v_t over the run's n float32 rows of dim
-// for NR query rows, their columns in registers; out is added to unless first.
-template <int D, int NR, int W>
-RAGBLEND_INLINE void weigh_run(const float* s, const float* v, int64_t n, int64_t d0,
-                               int64_t dim, bool first, float* out) {
-  if constexpr (D > 0) dim = D;
-  Lanes acc[NR][W];
-  for (int r = 0; r < NR; ++r)
-    for (int w = 0; w < W; ++w)
-      acc[r][w] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * dim + d0 + kLanes * w);
-  for (int64_t t = 0; t < n; ++t) {
-    Lanes vt[W];
-    for (int w = 0; w < W; ++w) vt[w] = _mm256_loadu_ps(v + t * dim + d0 + kLanes * w);
-    for (int r = 0; r < NR; ++r) {
-      const Lanes p = _mm256_set1_ps(s[r * kKeyBlock + t]);
-      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(p, vt[w], acc[r][w]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + r * dim + d0 + kLanes * w, acc[r][w]);
-}
-
-// ... over all columns, 2 x kLanes at a time (AVX2's 16 registers)
-template <int D, int NR>
-void weigh_run(const float* s, const float* v, int64_t n, int64_t dim, bool first, float* out) {
-  int64_t d = 0;
-  for (; d + 2 * kLanes <= dim; d += 2 * kLanes)
-    weigh_run<D, NR, 2>(s, v, n, d, dim, first, out);
-  for (; d < dim; d += kLanes) weigh_run<D, NR, 1>(s, v, n, d, dim, first, out);
 }
 
 // out[r] = sum_t s[r, t] v_t over values [begin, begin + n) for `rows` rows: kValueRun rows
@@ -177,16 +94,7 @@ void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begi
   for (int64_t t0 = 0; t0 < n; t0 += kValueRun) {
     const int64_t run = std::min(kValueRun, n - t0);
     widen(values, begin + t0, run, dim, wide);
-    for (int64_t r = 0; r < rows; r += 4) {
-      const float* sr = s + r * kKeyBlock + t0;
-      float* o = out + r * dim;
-      switch (std::min<int64_t>(4, rows - r)) {
-        case 1: weigh_run<D, 1>(sr, wide, run, dim, t0 == 0, o); break;
-        case 2: weigh_run<D, 2>(sr, wide, run, dim, t0 == 0, o); break;
-        case 3: weigh_run<D, 3>(sr, wide, run, dim, t0 == 0, o); break;
-        default: weigh_run<D, 4>(sr, wide, run, dim, t0 == 0, o); break;
-      }
-    }
+    weigh_rows<D>(s + t0, rows, wide, run, dim, t0 == 0, out);
   }
 }
 
