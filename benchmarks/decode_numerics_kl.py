@@ -124,6 +124,8 @@ def main() -> None:
         view.prepare_decode()
     limit = args.first + args.count
     cases = load_cases(args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, limit)
+    if len(cases) <= args.first:
+        parser.error(f"{args.dataset} has {len(cases)} usable questions; --first is {args.first}")
     per_question: list[dict] = []
     for index, case in enumerate(cases[args.first :], start=args.first):
         prefill = engine.prefill(engine.tokenize(case.question, case.chunks), "full")
