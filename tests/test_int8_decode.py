@@ -131,6 +131,76 @@ def test_bad_input_is_a_clear_error(call, message):
         call(kernels, blocks)
 
 
+needs_vnni = pytest.mark.skipif(
+    not int8_decode.runs_here(int8_decode.BUILDS[0]),
+    reason="the VNNI build needs AVX512 with AVX512-VNNI",
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_the_vnni_build_gives_the_avx2_builds_floats_bit_for_bit(qtype):
+    vnni, avx2 = (int8_decode.kernels_of(b.name) for b in int8_decode.BUILDS)
+    assert (vnni.build, avx2.build) == ("ragblend_q8vnni", "ragblend_q8")
+    blocks = random_blocks(97, 1024, qtype, torch.Generator().manual_seed(qtype + 7))
+    bias = torch.randn(97)
+    for n in (1, 4, 7, 16):
+        x = _x(n, 1024, qtype + n)
+        got = vnni.matmul(x, blocks, qtype, 1024, bias)
+        assert torch.equal(got, avx2.matmul(x, blocks, qtype, 1024, bias))
+        want = int8_reference.matmul_reference(x, blocks, qtype, 1024, bias)
+        bound = int8_reference.term_bound(x, blocks, qtype, 1024, bias)
+        assert bool(((got - want).abs() <= bound).all())
+
+
+@needs_vnni
+def test_the_widest_build_this_cpu_runs_is_the_one_taken(monkeypatch):
+    kernels = int8_kernels()
+    assert kernels is not None and kernels.build == "ragblend_q8vnni"
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: "avx2")  # RAGBLEND_CPU_ISA=avx2
+    assert not int8_decode.runs_here(int8_decode.BUILDS[0])
+    assert int8_decode.runs_here(int8_decode.BUILDS[1])
+    monkeypatch.setattr(int8_decode, "_BUILT", None)
+    capped = int8_kernels()
+    assert capped is not None and capped.build == "ragblend_q8"
+
+
+def test_the_vnni_build_needs_avx512_and_its_vnni_flag(monkeypatch):
+    vnni = int8_decode.BUILDS[0]
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: "amx")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f"}))  # Skylake-SP
+    assert not int8_decode.runs_here(vnni)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
+    assert int8_decode.runs_here(vnni)
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: "avx2")
+    assert not int8_decode.runs_here(vnni)
+    with pytest.raises(ValueError, match="does not run"):
+        int8_decode.kernels_of(vnni.name)
+    with pytest.raises(ValueError, match="no int8 kernel build"):
+        int8_decode.kernels_of("ragblend_q4")
+
+
+@needs_vnni
+def test_a_vnni_build_that_fails_its_check_leaves_the_avx2_build_with_one_warning(
+    monkeypatch, caplog
+):
+    check = int8_decode.check
+
+    def failing(kernels):
+        if kernels.build == "ragblend_q8vnni":
+            raise RuntimeError("Q4_K int8 matmul does not match the integer reference")
+        check(kernels)
+
+    monkeypatch.setattr(int8_decode, "_BUILT", None)
+    monkeypatch.setattr(int8_decode, "check", failing)
+    with caplog.at_level(logging.WARNING, logger="ragblend.models.int8_decode"):
+        kernels = int8_kernels()
+        assert int8_kernels() is kernels
+    assert kernels is not None and kernels.build == "ragblend_q8"
+    warnings = [r.message for r in caplog.records]
+    assert len(warnings) == 1 and "ragblend_q8vnni" in warnings[0] and "Q4_K" in warnings[0]
+
+
 def test_a_kernel_off_the_reference_fails_the_check():
     """The load-time check is not vacuous: the exact float kernel, put in the int8 kernel's
     place, fails it."""

@@ -3,10 +3,11 @@
 llama.cpp multiplies a GGUF's quantized weights by activations quantized to 8 bits per block
 and integer dot products; the same file in Ollama, LM Studio or llama.cpp decodes that way.
 With ``decode_activations="int8"`` ragblend does the same for decode steps — the arithmetic of
-:mod:`ragblend.models.int8_reference` (its oracle), run by ``csrc/quant_int8.cpp``'s AVX2
-kernels (``vpmaddubsw`` / ``vpmaddwd``) — and keeps prefills on the exact path (dequantize +
-``F.linear``). ``"float"`` is the exact path everywhere; ``"auto"`` picks per CPU level from
-:data:`AUTO_BY_LEVEL`, measured.
+:mod:`ragblend.models.int8_reference` (its oracle), run by ``csrc/quant_int8.cpp``'s kernels
+(AVX2 ``vpmaddubsw`` / ``vpmaddwd``, or AVX512-VNNI ``vpdpbusd`` / ``vpdpwssd`` where the CPU
+has it: :data:`BUILDS`, the same floats bit for bit) — and keeps prefills on the exact path
+(dequantize + ``F.linear``). ``"float"`` is the exact path everywhere; ``"auto"`` picks per CPU
+level from :data:`AUTO_BY_LEVEL`, measured.
 
 Only decode steps use it: :func:`step_activations` marks the thread while one runs with the
 decoder's setting (``ragblend.layer_decode.decode_batch`` and the HF-forward decoder enter it),
@@ -30,13 +31,26 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import load_ops
+from ragblend.extensions import AVX512, Build, load_ops
 from ragblend.models import int8_reference as ref
 from ragblend.models.quant_kernels import AVX2_FLAGS, QUANT_TYPES, random_blocks
 
 log = logging.getLogger(__name__)
 
-LEVEL = "avx2"  # the least the kernels need
+# widest first; int8_kernels() takes the first one this CPU runs that builds and checks. The
+# VNNI build (vpdpbusd / vpdpwssd on 256-bit lanes) gives the AVX2 build's floats bit for bit.
+BUILDS: tuple[Build, ...] = (
+    Build(
+        "avx512",
+        "ragblend_q8vnni",
+        (*AVX2_FLAGS, *AVX512, "-mavx512vnni", "-DRAGBLEND_Q8_VNNI")
+        + ("-DRAGBLEND_Q8_NS=ragblend_q8vnni",),
+    ),
+    Build("avx2", "ragblend_q8", AVX2_FLAGS),
+)
+# /proc/cpuinfo flags a build needs beyond its CPU level
+EXTRA_FLAGS: dict[str, frozenset[str]] = {"ragblend_q8vnni": frozenset({"avx512_vnni"})}
+LEVEL = BUILDS[-1].level  # the least the kernels need
 
 
 @dataclass(frozen=True)
@@ -58,14 +72,26 @@ AUTO_BY_LEVEL: dict[str, AutoActivations] = {
         "the embedded model's steps 4-10 % shorter at 1, 4 and 8 requests",
     ),
     "avx512": AutoActivations(
-        "float", "no CPU of this class measured", "the exact AVX512 kernels decode at 0.92-1.16x"
+        "int8",
+        "Intel Xeon with AMX-BF16 and AVX512-VNNI capped at avx512, 2026-11-28, "
+        "benchmarks/decode_vs_llamacpp.py (intel-amx/decode_vs_llamacpp_int8_capped.json)",
+        "Llama-3.2-3B Q4_K_M decode vs llama.cpp's native build: int8 1.45x, float 1.27x; a "
+        "CPU at this level without AVX512-VNNI takes the AVX2 int8 build (int8 at avx2 too)",
     ),
     "avx512_bf16": AutoActivations(
-        "float",
-        "AMD EPYC Zen 5, 2026-11-26 (decode_vs_llamacpp*.json, amd-avx512bf16/)",
-        "the exact kernels decode at 0.92-1.18x llama.cpp's rate",
+        "int8",
+        "Intel Xeon with AMX-BF16 and AVX512-VNNI capped at avx512_bf16, 2026-11-28 "
+        "(intel-amx/decode_vs_llamacpp_int8_capped.json); AMD Zen 5's float runs of "
+        "2026-11-26 (amd-avx512bf16/) were 0.92-1.18x, its int8 not measured",
+        "Llama-3.2-3B Q4_K_M decode vs llama.cpp's native build: int8 1.51x, float 1.13x",
     ),
-    "amx": AutoActivations("float", "not measured", "as avx512_bf16"),
+    "amx": AutoActivations(
+        "int8",
+        "Intel Xeon with AMX-BF16 and AVX512-VNNI, 2026-11-28, "
+        "benchmarks/decode_vs_llamacpp.py (intel-amx/decode_vs_llamacpp_int8.json)",
+        "Q4_K_M decode vs llama.cpp's native build: 3B int8 1.58x (float 1.21x), 8B 1.44x "
+        "(1.06x); the embedded model's steps within 4 % of float (decode_steps_numerics.json)",
+    ),
 }
 
 
@@ -82,32 +108,66 @@ def resolve(mode: str) -> str:
 class Int8Kernels(NamedTuple):
     """``matmul(x, blocks, qtype, cols, bias)``: float32 x ``[n, cols]`` (n <= 16) -> float32
     ``[n, rows]``; ``matmul_cat(x, [blocks...], [qtype...], cols, [bias...])``: several
-    weights side by side; ``quantize(x, block)``: x's codes, scales and sums per 16."""
+    weights side by side; ``quantize(x, block)``: x's codes, scales and sums per 16. ``build``:
+    the name of the build these are (one of :data:`BUILDS`)."""
 
     matmul: Callable[..., torch.Tensor]
     matmul_cat: Callable[..., torch.Tensor]
     quantize: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    build: str = "ragblend_q8"
 
 
 _BUILT: Int8Kernels | str | None = None  # the kernels, or why not
 
 
+def runs_here(build: Build) -> bool:
+    """Whether this CPU (capped by ``RAGBLEND_CPU_ISA``) runs ``build``: its level and the
+    flags it needs beyond it (:data:`EXTRA_FLAGS`)."""
+    extra = EXTRA_FLAGS.get(build.name, frozenset())
+    return cpu.isa_at_least(build.level) and extra <= cpu.cpu_flags()
+
+
 def int8_kernels() -> Int8Kernels | None:
-    """The checked kernels, built once per process; None (one warning per process says why)
-    where the CPU is below AVX2, the build fails or a check fails."""
+    """The checked kernels of the widest build this CPU runs (:data:`BUILDS`), built once per
+    process; None (one warning per process says why) where the CPU is below AVX2 or the AVX2
+    build or a check fails (a wider build's failure is one warning, then the next build)."""
     global _BUILT
     if _BUILT is None:
-        try:
-            if not cpu.isa_at_least(LEVEL):
-                raise RuntimeError(f"they need CPU level {LEVEL}; this CPU is at {cpu.cpu_isa()}")
-            ops = load_ops("ragblend_q8", ["quant_int8.cpp"], AVX2_FLAGS)
-            kernels = Int8Kernels(ops.matmul, ops.matmul_cat, ops.quantize)
-            check(kernels)
-            _BUILT = kernels
-        except Exception as exc:  # compiler missing or failing, or a check: the message says
-            log.warning("8-bit decode activations are off, decoding in float: %s", exc)
-            _BUILT = str(exc)
+        _BUILT = _first_build()
     return _BUILT if isinstance(_BUILT, Int8Kernels) else None
+
+
+def _first_build() -> Int8Kernels | str:
+    if not cpu.isa_at_least(LEVEL):
+        why = f"they need CPU level {LEVEL}; this CPU is at {cpu.cpu_isa()}"
+        log.warning("8-bit decode activations are off, decoding in float: %s", why)
+        return why
+    for build in BUILDS:
+        if not runs_here(build):
+            continue
+        try:
+            return kernels_of(build.name)
+        except Exception as exc:  # compiler missing or failing, or a check: the message says
+            if build is BUILDS[-1]:
+                log.warning("8-bit decode activations are off, decoding in float: %s", exc)
+                return str(exc)
+            log.warning("the %s int8 kernels are off (%s); using the next build", build.name, exc)
+    raise AssertionError("unreachable: the last build is the least level")
+
+
+def kernels_of(name: str) -> Int8Kernels:
+    """The checked kernels of the build ``name`` (one of :data:`BUILDS`), built (or loaded)
+    now: for tests and benchmarks that compare builds in one process. ValueError for an
+    unknown build or one this CPU does not run; whatever the build or its check raises."""
+    build = next((b for b in BUILDS if b.name == name), None)
+    if build is None:
+        raise ValueError(f"no int8 kernel build {name!r}: {[b.name for b in BUILDS]}")
+    if not runs_here(build):
+        raise ValueError(f"this CPU ({cpu.cpu_isa()}) does not run the {name} build")
+    ops = load_ops(build.name, ["quant_int8.cpp"], build.flags)
+    kernels = Int8Kernels(ops.matmul, ops.matmul_cat, ops.quantize, build.name)
+    check(kernels)
+    return kernels
 
 
 def check(kernels: Int8Kernels) -> None:

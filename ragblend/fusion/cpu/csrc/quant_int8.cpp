@@ -1,6 +1,9 @@
 // GGUF quantized weights times 8-bit activations: llama.cpp's arithmetic for a decode step.
 //
-// CPU, AVX2 + FMA + F16C. The weights are ggml's blocks as stored (quant_blocks.cpp's header
+// CPU, AVX2 + FMA + F16C; built a second time with -DRAGBLEND_Q8_VNNI (AVX512-VNNI + VL, op
+// namespace ragblend_q8vnni), where vpdpbusd / vpdpwssd take the place of vpmaddubsw +
+// vpmaddwd + vpaddd: the same integers in the same lanes, so both builds give the same floats
+// bit for bit. The weights are ggml's blocks as stored (quant_blocks.cpp's header
 // says how); x [n, cols] (n <= 16 rows, float32) is first quantized per block of the weight's
 // type, as ggml quantizes activations for its integer dot products (the Python oracle,
 // ragblend/models/int8_reference.py, defines the same arithmetic in torch integers):
@@ -36,6 +39,10 @@
 #include <vector>
 
 #include "task_queue.h"
+
+#ifndef RAGBLEND_Q8_NS
+#define RAGBLEND_Q8_NS ragblend_q8
+#endif
 
 namespace {
 
@@ -90,9 +97,23 @@ inline __m256i bits32_x10(const uint8_t* p) {
   return and8(_mm256_cmpeq_epi8(_mm256_and_si256(spread, one), one), 0x10);
 }
 
-// sum over 32 pairs of u (unsigned bytes) * q (int8), as 8 int32 lanes
-inline __m256i dot32(__m256i u, __m256i q) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+// acc + the products of u (unsigned bytes) and q (int8), each lane 4 adjacent pairs: 8 int32
+inline __m256i dot32(__m256i acc, __m256i u, __m256i q) {
+#ifdef RAGBLEND_Q8_VNNI
+  return _mm256_dpbusd_epi32(acc, u, q);
+#else
+  return _mm256_add_epi32(acc,
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + the int16 products p times the int16 scales, each lane 2 adjacent pairs: 8 int32
+inline __m256i scaled_add(__m256i acc, __m256i p, __m256i scale) {
+#ifdef RAGBLEND_Q8_VNNI
+  return _mm256_dpwssd_epi32(acc, p, scale);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
 }
 
 // x quantized for one block kind: codes [n, cols], d [n, cols / block], sums [n, cols / 16];
@@ -175,14 +196,14 @@ struct SmallMin {
 template <int kOffset>
 inline void dot_offset(const Small& u, const XRow& x, int64_t k, __m256& acc) {
   const __m256i off =
-      _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(kOffset * x.sum32[k]));
-  const __m256i s = _mm256_sub_epi32(dot32(u.q, load32(x.q + 32 * k)), off);
+      _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128(-kOffset * x.sum32[k]));
+  const __m256i s = dot32(off, u.q, load32(x.q + 32 * k));
   acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
 }
 
 // (d_w * d_x) * sum(q q_x) in the lanes, m * d_x * sum(q_x) beside them (Q4_1, Q5_1)
 inline void dot_min(const SmallMin& u, const XRow& x, int64_t k, __m256& acc, float& minimum) {
-  const __m256i s = dot32(u.q, load32(x.q + 32 * k));
+  const __m256i s = dot32(_mm256_setzero_si256(), u.q, load32(x.q + 32 * k));
   acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
   minimum += u.m * x.dsum[k];
 }
@@ -238,7 +259,8 @@ struct Q8_0 {
     u.d = f16(b);
   }
   static void dot(const Unpacked& u, const XRow& x, int64_t k, __m256& acc, float&) {
-    const __m256i s = dot32(u.abs, _mm256_sign_epi8(load32(x.q + 32 * k), u.q));
+    const __m256i s =
+        dot32(_mm256_setzero_si256(), u.abs, _mm256_sign_epi8(load32(x.q + 32 * k), u.q));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
   }
 };
@@ -298,8 +320,8 @@ struct QK {  // Q4_K (kFive false) and Q5_K: (d * sc_j) * q - dmin * m_j per 32 
     const int8_t* q = x.q + 256 * k;
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j)
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[j], load32(q + 32 * j)),
-                                                _mm256_set1_epi16(u.sc[j])));
+      s = scaled_add(s, _mm256_maddubs_epi16(u.q[j], load32(q + 32 * j)),
+                     _mm256_set1_epi16(u.sc[j]));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
     const __m256i msum = _mm256_madd_epi16(u.mins, load32(x.sums + 16 * k));
     acc = _mm256_fnmadd_ps(_mm256_set1_ps(u.dmin * x.d[k]), _mm256_cvtepi32_ps(msum), acc);
@@ -332,16 +354,43 @@ struct Q6_K {  // (d * sc_j) * ((ql | qh << 4) - 32), a scale per 16 weights
       const __m256i scale =
           _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * j + 1]), _mm_set1_epi16(u.sc[2 * j]));
       const __m256i p = _mm256_maddubs_epi16(u.q[j], load32(q + 32 * j));
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scale));
+      s = scaled_add(s, p, scale);
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x.d[k]), _mm256_cvtepi32_ps(s), acc);
   }
 };
 
+// Software prefetch of a task's weight bytes a fixed distance ahead of the blocks being read:
+// a decode step's matmul streams its weights from memory once, and one sequential stream per
+// thread is more than the hardware prefetcher keeps up with (without it these kernels read
+// 10 GB/s where the float kernels, which prefetch, read 12; Xeon with AMX, 2 threads).
+class Ahead {
+ public:
+  static constexpr int64_t kDistance = 4096;  // bytes ahead of the reads
+  Ahead(const uint8_t* from, const uint8_t* end)
+      : next_(std::min(from + kDistance, end)), end_(end) {
+    fetch(from, next_);  // the task's first bytes, not yet asked for
+  }
+  // prefetch the next `bytes` (as many as were just read)
+  void step(int64_t bytes) {
+    const uint8_t* to = std::min(next_ + bytes, end_);
+    fetch(next_, to);
+    next_ = std::max(next_, to);
+  }
+
+ private:
+  static void fetch(const uint8_t* p, const uint8_t* end) {
+    for (; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  }
+  const uint8_t* next_;
+  const uint8_t* end_;
+};
+
 // One weight row times R rows of x (R known at compile time: the accumulators stay in
 // registers), each block unpacked once for the R rows: out[i] = lanes summed + minimum.
+// `ahead`: the prefetcher to step by each block read (the first group of x's rows only).
 template <class T, int R>
-inline void dot_rows(const uint8_t* row, int64_t nb, const XRow* xr, float* out) {
+inline void dot_rows(const uint8_t* row, int64_t nb, const XRow* xr, float* out, Ahead* ahead) {
   __m256 acc[R];
   float minimum[R];
   for (int i = 0; i < R; ++i) {
@@ -349,6 +398,7 @@ inline void dot_rows(const uint8_t* row, int64_t nb, const XRow* xr, float* out)
     minimum[i] = 0.0f;
   }
   for (int64_t k = 0; k < nb; ++k) {
+    if (ahead != nullptr) ahead->step(T::kBytes);
     typename T::Unpacked u;
     T::unpack(row + k * T::kBytes, u);
     for (int i = 0; i < R; ++i) T::dot(u, xr[i], k, acc[i], minimum[i]);
@@ -363,6 +413,7 @@ template <class T>
 void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& xq, int64_t n,
               const float* bias, int64_t stride, int64_t r0, int64_t r1, float* out) {
   const int64_t nb = cols / T::kElems;
+  Ahead ahead(w + r0 * row_bytes, w + r1 * row_bytes);
   XRow xr[kMaxRows];
   for (int64_t i = 0; i < n; ++i)
     xr[i] = {xq.q.data() + i * cols, xq.d.data() + i * (cols / T::kX),
@@ -372,11 +423,12 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     for (int64_t i = 0; i < n; i += 4) {
+      Ahead* a = i == 0 ? &ahead : nullptr;
       switch (std::min<int64_t>(4, n - i)) {
-        case 1: dot_rows<T, 1>(row, nb, xr + i, sums + i); break;
-        case 2: dot_rows<T, 2>(row, nb, xr + i, sums + i); break;
-        case 3: dot_rows<T, 3>(row, nb, xr + i, sums + i); break;
-        default: dot_rows<T, 4>(row, nb, xr + i, sums + i);
+        case 1: dot_rows<T, 1>(row, nb, xr + i, sums + i, a); break;
+        case 2: dot_rows<T, 2>(row, nb, xr + i, sums + i, a); break;
+        case 3: dot_rows<T, 3>(row, nb, xr + i, sums + i, a); break;
+        default: dot_rows<T, 4>(row, nb, xr + i, sums + i, a);
       }
     }
     for (int64_t i = 0; i < n; ++i)
@@ -492,7 +544,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(ragblend_q8, m) {
+TORCH_LIBRARY_FRAGMENT(RAGBLEND_Q8_NS, m) {
   m.def("matmul(Tensor x, Tensor blocks, int qtype, int cols, Tensor? bias) -> Tensor");
   m.def(
       "matmul_cat(Tensor x, Tensor[] blocks, int[] qtypes, int cols, Tensor?[] biases) -> "
@@ -500,7 +552,7 @@ TORCH_LIBRARY_FRAGMENT(ragblend_q8, m) {
   m.def("quantize(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(ragblend_q8, CPU, m) {
+TORCH_LIBRARY_IMPL(RAGBLEND_Q8_NS, CPU, m) {
   m.impl("matmul", &matmul);
   m.impl("matmul_cat", &matmul_cat);
   m.impl("quantize", &quantize);
