@@ -10,13 +10,17 @@ import torch
 import torch.nn.functional as F
 from conftest import CHUNKS, QUESTION
 
+from ragblend import cpu
 from ragblend.cli import build_parser
 from ragblend.errors import RagblendError
+from ragblend.fusion.cpu import decode_q8
 from ragblend.fusion.cpu.decode_q8 import (
+    Q8_BUILDS,
     attend_q8_torch,
     dequantize_q8,
     native_q8,
     q8_block,
+    q8_kernel,
     quantize_q8,
 )
 from ragblend.generation import HFDecoder, decoder_for
@@ -67,10 +71,11 @@ def test_quantize_round_trip_is_within_half_a_scale(dim):
         assert float(scales[0, 1, 7, 1]) < float(scales[0, 1, 7, 0]) / 10
 
 
-def test_native_kernel_is_sdpa_over_the_dequantized_cache_and_writes_torchs_codes():
-    kernel = native_q8()
-    if kernel is None:
-        pytest.skip("no native int8 decode attention (CPU below avx2, or no compiler)")
+@pytest.mark.parametrize("build", [b for b, _ in Q8_BUILDS], ids=lambda b: b.level)
+def test_native_kernel_is_sdpa_over_the_dequantized_cache_and_writes_torchs_codes(build):
+    if not cpu.isa_at_least(build.level):
+        pytest.skip(f"the {build.level} build needs that CPU level")
+    kernel = q8_kernel(build)
     gen = torch.Generator().manual_seed(0)
     for dim, window in ((64, 0), (128, 0), (64, 300), (48, 0)):
         block = q8_block(dim)
@@ -93,6 +98,39 @@ def test_native_kernel_is_sdpa_over_the_dequantized_cache_and_writes_torchs_code
             assert torch.equal(written[1][b][:, :, p], scales)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         assert got.shape == (1, len(lengths), 9 * dim)
+
+
+def test_native_q8_takes_the_widest_build_whose_lanes_divide_the_head_dim(monkeypatch):
+    taken = []
+
+    def load(build, last):
+        taken.append(build.name)
+        return lambda *args: build.name
+
+    monkeypatch.setattr(decode_q8, "_Q8", {})
+    monkeypatch.setattr(decode_q8, "_load_q8", load)
+    wide, avx2 = (b.name for b, _ in Q8_BUILDS)
+    assert native_q8(64)() == wide and native_q8(128)() == wide
+    assert native_q8(48)() == wide  # one scale per row of 48: a multiple of 16
+    assert native_q8(40)() == avx2 and native_q8(72)() == avx2
+    assert native_q8(36) is None  # no build's lanes divide it: SDPA per request
+    assert taken == [wide, avx2]  # each build loaded once per process
+
+
+def test_a_wide_build_that_does_not_run_leaves_the_avx2_one_with_one_warning(monkeypatch, caplog):
+    if not cpu.isa_at_least("avx2"):
+        pytest.skip("the AVX2 build needs that CPU level")
+    wide = Q8_BUILDS[0][0]
+    monkeypatch.setattr(decode_q8, "_Q8", {})
+    monkeypatch.setattr(cpu, "isa_at_least", lambda level: True)
+    broken = wide._replace(name="ragblend_decode_q8_broken", flags=(*wide.flags, "-fno-such"))
+    monkeypatch.setattr(decode_q8, "Q8_BUILDS", ((broken, 16), Q8_BUILDS[1]))
+    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.cpu.decode_q8"):
+        kernel = native_q8(64)
+        assert native_q8(64) is kernel
+    assert kernel is not None
+    warnings = [r.message for r in caplog.records]
+    assert len(warnings) == 1 and "avx512 int8 K/V decode attention does not run" in warnings[0]
 
 
 def run_q8(attend, q, k_new, v_new, caches, positions, window):

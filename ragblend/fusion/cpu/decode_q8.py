@@ -2,10 +2,11 @@
 
 The cache holds llama.cpp's q8_0 layout (:func:`quantize_q8`: int8 codes, one fp32 scale per
 32 values along the head dim; one per row where 32 does not divide it). A decode step attends
-in fp32 over the dequantized values: the native AVX2 kernel (``csrc/decode_attention_int8.cpp``,
-its own extension, :func:`native_q8`, checked against SDPA when it loads), which also quantizes
-the new token's K/V as it writes them, or :func:`attend_q8_torch` (SDPA per request) where it
-does not run. A request's result is the same alone and in a batch.
+in fp32 over the dequantized values: the native kernel (``csrc/decode_attention_int8.cpp``, at
+16 lanes where the CPU is at the ``avx512`` level and the head dim allows, else at 8 (AVX2):
+:data:`Q8_BUILDS`, :func:`native_q8`, checked against SDPA when it loads), which also
+quantizes the new token's K/V as it writes them, or :func:`attend_q8_torch` (SDPA per request)
+where it does not run. A request's result is the same alone and in a batch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import Build, load_ops
+from ragblend.extensions import ATEN_AVX512, AVX512, Build, load_ops
 from ragblend.fusion.cpu.decode_kernels import _TOLERANCE
 from ragblend.fusion.cpu.native import BUILDS
 
@@ -32,6 +33,15 @@ log = logging.getLogger(__name__)
 Q8_BLOCK = 32  # values per scale along the head dim (llama.cpp's q8_0)
 # AVX2 + FMA, at::vec's 8-lane code: built as the fp32 kernels' extension is
 DECODE_Q8 = Build("avx2", "ragblend_decode_q8", BUILDS[torch.float32].flags)
+# the same source at 16 lanes (decode_lanes.h's AVX512 half)
+DECODE_Q8_512 = Build(
+    "avx512",
+    "ragblend_decode_q8_512",
+    ("-O3", *ATEN_AVX512, *AVX512, "-mfma", "-ffp-contract=off", "-fopenmp")
+    + ("-DRAGBLEND_DECODE_512", "-DRAGBLEND_DECODE_Q8_NS=ragblend_decode_q8_512"),
+)
+# widest first, with each build's lanes: the head dim and its scale block must be multiples
+Q8_BUILDS: tuple[tuple[Build, int], ...] = ((DECODE_Q8_512, 16), (DECODE_Q8, 8))
 
 # q [1, H, B, d], k_new, v_new [1, Hkv, B, d] (fp32), keys[b], key_scales[b], values[b],
 # value_scales[b] (int8 codes [1, Hkv, capacity, d], fp32 scales [1, Hkv, capacity, d / block];
@@ -114,30 +124,60 @@ def attend_q8_torch(
     return torch.cat(outs, dim=2).transpose(1, 2).reshape(1, len(positions), -1)
 
 
-_Q8: list[Q8Kernel | None] = []  # the checked native kernel (or None), once per process
+_Q8: dict[str, Q8Kernel | None] = {}  # build name -> its checked kernel (or None), per process
 
 
-def native_q8() -> Q8Kernel | None:
-    """The native int8-cache decode attention (``csrc/decode_attention_int8.cpp``), compiled
-    (or loaded) and checked once per process (:func:`check_q8`); None, with one warning saying
-    why, where the CPU is below ``avx2``, it does not build or it fails its check."""
-    if not _Q8:
-        kernel: Q8Kernel | None = None
-        try:
-            if not cpu.isa_at_least(DECODE_Q8.level):
-                raise RagblendError(f"it needs CPU level avx2, this one is at {cpu.cpu_isa()}")
-            ops = load_ops(DECODE_Q8.name, ("decode_attention_int8.cpp",), DECODE_Q8.flags)
-            check_q8(ops.decode_attend_q8)
-            kernel = ops.decode_attend_q8
-        except Exception as exc:  # compiler failing, or a wrong result: the message says which
+def native_q8(head_dim: int = 64) -> Q8Kernel | None:
+    """The native int8-cache decode attention (``csrc/decode_attention_int8.cpp``) for heads of
+    ``head_dim``: the widest of :data:`Q8_BUILDS` the CPU level allows whose lanes divide the
+    head dim and its scale block (:func:`q8_block`), each compiled (or loaded) and checked once
+    per process (:func:`check_q8`). A wider build that fails is one warning, then the next;
+    None where the head dim is not a multiple of 8, and (with one warning saying why) where
+    the CPU is below ``avx2`` or the AVX2 build does not run."""
+    for build, lanes in Q8_BUILDS:
+        if head_dim % lanes or q8_block(head_dim) % lanes:
+            continue
+        if build.name not in _Q8:
+            _Q8[build.name] = _load_q8(build, last=build is Q8_BUILDS[-1][0])
+        kernel = _Q8[build.name]
+        if kernel is not None:
+            return kernel
+    return None
+
+
+def q8_kernel(build: Build) -> Q8Kernel:
+    """``build``'s kernel (one of :data:`Q8_BUILDS`), compiled (or loaded) and checked
+    (:func:`check_q8`) now: RagblendError where the CPU is below its level, else whatever the
+    compiler, the loader or the check raises."""
+    if not cpu.isa_at_least(build.level):
+        raise RagblendError(f"it needs CPU level {build.level}, this one is at {cpu.cpu_isa()}")
+    ops = load_ops(build.name, ("decode_attention_int8.cpp",), build.flags)
+    check_q8(ops.decode_attend_q8)
+    kernel: Q8Kernel = ops.decode_attend_q8
+    return kernel
+
+
+def _load_q8(build: Build, last: bool) -> Q8Kernel | None:
+    """:func:`q8_kernel`, or None where it raises: silently where the CPU is below a wider
+    build's level, else with one warning saying why."""
+    if not last and not cpu.isa_at_least(build.level):
+        return None
+    try:
+        return q8_kernel(build)
+    except Exception as exc:  # compiler failing, or a wrong result: the message says which
+        if last:
             log.warning(
                 "ragblend's native int8 K/V decode attention does not run (%s); int8 decode "
                 "caches are dequantized for SDPA per request",
                 exc,
             )
-            kernel = None
-        _Q8.append(kernel)
-    return _Q8[0]
+        else:
+            log.warning(
+                "ragblend's %s int8 K/V decode attention does not run (%s); using the next",
+                build.level,
+                exc,
+            )
+        return None
 
 
 def check_q8(attend: Q8Kernel) -> None:
@@ -207,7 +247,7 @@ def int8_attention(layers: LayerwiseModel, kernels: NativeKernels | None) -> Q8K
     here (:func:`native_q8`), else SDPA per request over the
     dequantized K/V."""
     native = layers.device.type == "cpu" and (kernels is not None or layers.dtype == torch.bfloat16)
-    kernel = native_q8() if native else None
+    kernel = native_q8(layers.head_dim) if native else None
     return kernel if kernel is not None else attend_q8_torch
 
 

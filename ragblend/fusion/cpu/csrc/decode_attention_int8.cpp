@@ -1,5 +1,6 @@
 // One decode step's attention for a batch of requests over an 8-bit K/V cache
-// (BlendConfig.kv_cache_dtype = "int8"), AVX2 + FMA.
+// (BlendConfig.kv_cache_dtype = "int8"), AVX2 + FMA at 8 lanes; built again with
+// -DRAGBLEND_DECODE_512 at 16 (AVX512 F/BW/VL/DQ, op namespace RAGBLEND_DECODE_Q8_NS).
 //
 // Layout (llama.cpp's q8_0, scales kept apart from the codes): a K or V buffer is int8 codes
 // [1, Hkv, capacity, d] beside float32 scales [1, Hkv, capacity, d / block], one scale per
@@ -38,11 +39,27 @@
 #include "decode_step.h"
 #include "unroll.h"
 
+#ifndef RAGBLEND_DECODE_Q8_NS
+#define RAGBLEND_DECODE_Q8_NS ragblend_decode_q8
+#endif
+
 namespace {
 
 using ragblend::decode::Block;
 using ragblend::decode::decode_step;
-static_assert(kLanes == 8, "the 8-bit K/V kernel is AVX2's (8 lanes)");
+
+// kLanes codes at c as float32 times d: the float32 product torch's dequantization gives
+#ifdef RAGBLEND_DECODE_512
+inline Lanes widen_lanes(const int8_t* c, Lanes d) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+}
+#else
+inline Lanes widen_lanes(const int8_t* c, Lanes d) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+}
+#endif
 
 // Codes and scales of one buffer (one KV head of one request): row t's codes at
 // codes + t * code_stride, its dim / block scales at scales + t * scale_stride.
@@ -58,11 +75,8 @@ RAGBLEND_INLINE void widen(const Rows& src, int64_t t0, int64_t n, int64_t dim, 
     const int8_t* c = src.codes + t * src.code_stride;
     const float* s = src.scales + t * src.scale_stride;
     for (int64_t j = 0; j < dim; j += src.block) {
-      const __m256 d = _mm256_set1_ps(s[j / src.block]);
-      for (int64_t i = j; i < j + src.block; i += kLanes) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
-      }
+      const Lanes d = broadcast(s[j / src.block]);
+      for (int64_t i = j; i < j + src.block; i += kLanes) store(dst + i, widen_lanes(c + i, d));
     }
   }
 }
@@ -207,11 +221,11 @@ at::Tensor decode_attend_q8(const at::Tensor& q, const at::Tensor& k_new, const 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(ragblend_decode_q8, m) {
+TORCH_LIBRARY_FRAGMENT(RAGBLEND_DECODE_Q8_NS, m) {
   m.def(
       "decode_attend_q8(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!)[] keys, Tensor(b!)[] "
       "key_scales, Tensor(c!)[] values, Tensor(d!)[] value_scales, int[] positions, int window, "
       "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ragblend_decode_q8, CPU, m) { m.impl("decode_attend_q8", &decode_attend_q8); }
+TORCH_LIBRARY_IMPL(RAGBLEND_DECODE_Q8_NS, CPU, m) { m.impl("decode_attend_q8", &decode_attend_q8); }
