@@ -64,8 +64,10 @@ class BlendConfig:
         (min, max) × the check layer's scale. ``None``: off (the fixed ``ratio``).
     weights: ``"auto"`` (default) keeps a GGUF's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1,
         Q8_0, Q4_K, Q5_K, Q6_K) as stored on CPU: decode steps read the blocks through native
-        kernels, prefills dequantize them (``ragblend.models.quantized``); ``"dequantize"``
-        converts every weight to the compute dtype at load. HF directories load as they are.
+        kernels, prefills dequantize them (``ragblend.models.quantized``), once and kept where
+        all of a model's linears fit in 1 GiB in the compute dtype (the embedded model), else
+        in every prefill; ``"dequantize"`` converts every weight to the compute dtype at load.
+        HF directories load as they are.
     namespace: tenant salt mixed into every chunk and prefix key (``None``: no tenant). Set by
         the server side that builds the engine; tenants never hit each other's entries.
     kv_dtype: storage dtype of chunk KV, independent of the compute dtype: ``"auto"`` (the

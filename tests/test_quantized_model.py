@@ -20,7 +20,12 @@ from ragblend.layer_decode import LayerDecoder, decode_batch
 from ragblend.models.loading import load_model
 from ragblend.models.packed import pack_decode_linears, qkv_projections
 from ragblend.models.quant_kernels import quant_kernels
-from ragblend.models.quantized import QuantEmbedding, QuantLinear, quantized_weights
+from ragblend.models.quantized import (
+    QuantEmbedding,
+    QuantLinear,
+    keep_dense_weights,
+    quantized_weights,
+)
 from ragblend.store.keys import model_fingerprint
 
 SIZES = dict(hidden_size=256, intermediate_size=512)
@@ -77,6 +82,37 @@ def test_kept_blocks_prefill_exactly_as_the_dequantized_model(family, tmp_path):
     )
     # one fingerprint whether the blocks are kept or not: their chunk caches are the same
     assert model_fingerprint(kept) == model_fingerprint(dense)
+
+
+def test_a_small_models_prefills_keep_the_dense_weights_they_make(tmp_path):
+    path = _write("llama", tmp_path)
+    kept, _ = load_model(path, dtype="float32")
+    dense, _ = load_model(path, dtype="float32", weights="dequantize")
+    linears = [m for m in kept.modules() if isinstance(m, QuantLinear)]
+    assert all(m.qweight.keep_dense and m.qweight._dense is None for m in linears)
+    first = _logits(kept, LONG)
+    made = {id(m.qweight): m.qweight._dense for m in linears}
+    assert all(t is not None for t in made.values())  # the LM head ran on every row too
+    for m in linears:  # the values a dequantizing load holds, bit for bit
+        assert torch.equal(m.qweight._dense, m.qweight.dequantize(torch.float32))
+    again = _logits(kept, LONG)
+    assert all(m.qweight._dense is made[id(m.qweight)] for m in linears)  # reused, not remade
+    assert torch.equal(first, again) and torch.equal(again, _logits(dense, LONG))
+
+
+def test_a_model_over_the_budget_dequantizes_in_every_prefill(tmp_path):
+    path = _write("llama", tmp_path)
+    model, _ = load_model(path, dtype="float32")
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    # the tied LM head shares the embedding's weight: counted once
+    total = sum(
+        4 * m.in_features * m.out_features for m in {id(m.qweight): m for m in linears}.values()
+    )
+    assert keep_dense_weights(model, budget=total)
+    assert not keep_dense_weights(model, budget=total - 1)
+    logits = _logits(model, LONG)
+    assert all(m.qweight._dense is None for m in linears)
+    assert torch.equal(logits, _logits(load_model(path, dtype="float32")[0], LONG))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,7 +25,12 @@ from torch import nn
 from ragblend.errors import RagblendError
 from ragblend.models.gguf import SOURCE_FILE, check_weights, mapped_tensors
 from ragblend.models.quant_kernels import QUANT_TYPES, quant_kernels
-from ragblend.models.quantized import QuantEmbedding, QuantizedWeight, QuantLinear
+from ragblend.models.quantized import (
+    QuantEmbedding,
+    QuantizedWeight,
+    QuantLinear,
+    keep_dense_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,9 @@ def load_gguf_model(
     source: Path, directory: Path, dtype: torch.dtype, weights: str = "auto"
 ) -> nn.Module:
     """The model of the GGUF ``source`` (config from ``directory``) in ``dtype``, its
-    quantized tensors kept as blocks where ``weights="auto"`` and a kernel reads them."""
+    quantized tensors kept as blocks where ``weights="auto"`` and a kernel reads them (and,
+    for a model whose linears fit :data:`~ragblend.models.quantized.KEEP_DENSE_BYTES` in
+    ``dtype``, the dense weights its first prefill makes: :func:`keep_dense_weights`)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -88,6 +95,7 @@ def load_gguf_model(
             dtype,
         )
     _tie_embeddings(model, loaded)
+    keep_dense_weights(model)
     missing = sorted(expected - loaded)
     if missing:
         raise RagblendError(

@@ -39,9 +39,15 @@ log = logging.getLogger(__name__)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the matmul kernel takes and returns
 
 
+# a model's quantized linears keep the dense weights a prefill makes where all of them fit in
+# this many bytes in the compute dtype (the embedded model: 269 MB in bf16, 538 MB in fp32)
+KEEP_DENSE_BYTES = 1 << 30
+
+
 class QuantizedWeight:
     """A weight matrix [rows, cols] as GGUF blocks: ``blocks`` uint8 [rows, row_bytes] of
-    ggml type ``qtype`` (one of :data:`QUANT_TYPES`)."""
+    ggml type ``qtype`` (one of :data:`QUANT_TYPES`). ``keep_dense``: :meth:`dense` keeps the
+    weights it dequantizes (:func:`keep_dense_weights`)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, cols: int) -> None:
         if qtype not in QUANT_TYPES:
@@ -49,6 +55,8 @@ class QuantizedWeight:
         self.blocks = blocks
         self.qtype = qtype
         self.cols = cols
+        self.keep_dense = False
+        self._dense: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -66,6 +74,18 @@ class QuantizedWeight:
         if kernels is None:
             return dequantize_reference(blocks, self.qtype, self.cols).to(dtype)
         return kernels.dequantize(blocks, self.qtype, self.cols, dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """All the weights as ``dtype`` [rows, cols] for a prefill's ``F.linear``: the same
+        values as :meth:`dequantize`, made on first use and kept where :attr:`keep_dense` (a
+        prefill then spends nothing on them), else made on every call."""
+        kept = self._dense
+        if kept is not None and kept.dtype == dtype:
+            return kept
+        values = self.dequantize(dtype)
+        if self.keep_dense:
+            self._dense = values
+        return values
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """fp32 or bf16 ``x`` [n, cols] @ weights.T (+ ``bias``) → [n, rows] in x's dtype on
@@ -113,7 +133,7 @@ class QuantLinear(nn.Module):
                 out = self.qweight.matmul(flat, self.bias)
             if out is not None:
                 return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.qweight.dequantize(self.dtype), self.bias)
+        return F.linear(x, self.qweight.dense(self.dtype), self.bias)
 
     def _int8(self, flat: torch.Tensor) -> torch.Tensor | None:
         kernels = int8_kernels()
@@ -194,6 +214,21 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qweight.type_name}"
+
+
+def keep_dense_weights(model: nn.Module, budget: int = KEEP_DENSE_BYTES) -> bool:
+    """Let ``model``'s :class:`QuantLinear` weights keep their dense copies
+    (:meth:`QuantizedWeight.dense`) where all of them together, in their compute dtype, fit
+    in ``budget`` bytes: a small model's prefills then stop dequantizing every weight each
+    time, for that much more memory (a weight the LM head shares with the embedding counted
+    once). Returns whether they do."""
+    weights = {id(m.qweight): m for m in model.modules() if isinstance(m, QuantLinear)}
+    itemsize = {k: torch.empty((), dtype=m.dtype).element_size() for k, m in weights.items()}
+    total = sum(m.in_features * m.out_features * itemsize[k] for k, m in weights.items())
+    keep = bool(weights) and total <= budget
+    for m in weights.values():
+        m.qweight.keep_dense = keep
+    return keep
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
