@@ -19,8 +19,8 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import ATEN_AVX512, AVX512, Build, load_ops
-from ragblend.fusion.cpu.decode_kernels import _TOLERANCE
+from ragblend.extensions import Build, load_ops
+from ragblend.fusion.cpu.decode_kernels import _TOLERANCE, DECODE_512
 from ragblend.fusion.cpu.native import BUILDS
 
 if TYPE_CHECKING:
@@ -33,12 +33,12 @@ log = logging.getLogger(__name__)
 Q8_BLOCK = 32  # values per scale along the head dim (llama.cpp's q8_0)
 # AVX2 + FMA, at::vec's 8-lane code: built as the fp32 kernels' extension is
 DECODE_Q8 = Build("avx2", "ragblend_decode_q8", BUILDS[torch.float32].flags)
-# the same source at 16 lanes (decode_lanes.h's AVX512 half)
+# the same source at 16 lanes (decode_lanes.h's AVX512 half): built as the 16-lane fp32 decode
+# attention is
 DECODE_Q8_512 = Build(
-    "avx512",
+    DECODE_512.level,
     "ragblend_decode_q8_512",
-    ("-O3", *ATEN_AVX512, *AVX512, "-mfma", "-ffp-contract=off", "-fopenmp")
-    + ("-DRAGBLEND_DECODE_512", "-DRAGBLEND_DECODE_Q8_NS=ragblend_decode_q8_512"),
+    (*DECODE_512.flags, "-DRAGBLEND_DECODE_Q8_NS=ragblend_decode_q8_512"),
 )
 # widest first, with each build's lanes: the head dim and its scale block must be multiples
 Q8_BUILDS: tuple[tuple[Build, int], ...] = ((DECODE_Q8_512, 16), (DECODE_Q8, 8))

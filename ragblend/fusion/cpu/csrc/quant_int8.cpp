@@ -375,7 +375,7 @@ class Ahead {
   void step(int64_t bytes) {
     const uint8_t* to = std::min(next_ + bytes, end_);
     fetch(next_, to);
-    next_ = std::max(next_, to);
+    next_ = to;
   }
 
  private:
