@@ -69,14 +69,30 @@ struct Rows {
   int64_t code_stride, scale_stride, block;
 };
 
-// Rows [t0, t0 + n) of `src` as float32 rows of dim at dst: code * scale.
+constexpr int64_t kFixedBlock = 32;  // the scale block of a head dim known when compiling
+constexpr int64_t kAheadRows = 64;   // rows of codes (and their scales) prefetched ahead
+
+// Rows [t0, t0 + n) of `src` as float32 rows of dim at dst: code * scale. D: the head dim
+// where it is known when compiling (its scale block then kFixedBlock, the loop unrolled),
+// else 0 and `dim`, `src.block`. The codes and scales kAheadRows ahead are prefetched: one
+// stream per KV head outruns the hardware prefetcher, as the weights' do (quant_int8.cpp).
+template <int D>
 RAGBLEND_INLINE void widen(const Rows& src, int64_t t0, int64_t n, int64_t dim, float* dst) {
-  for (int64_t t = t0; t < t0 + n; ++t, dst += dim) {
+  for (int64_t t = t0; t < t0 + n; ++t, dst += D ? D : dim) {
     const int8_t* c = src.codes + t * src.code_stride;
     const float* s = src.scales + t * src.scale_stride;
-    for (int64_t j = 0; j < dim; j += src.block) {
-      const Lanes d = broadcast(s[j / src.block]);
-      for (int64_t i = j; i < j + src.block; i += kLanes) store(dst + i, widen_lanes(c + i, d));
+    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadRows * src.code_stride), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(s + kAheadRows * src.scale_stride), _MM_HINT_T0);
+    if constexpr (D > 0) {
+      ragblend::unroll<D / kLanes>([&](auto i) RAGBLEND_INLINE_LAMBDA {
+        constexpr int64_t at = i * kLanes;
+        store(dst + at, widen_lanes(c + at, broadcast(s[at / kFixedBlock])));
+      });
+    } else {
+      for (int64_t j = 0; j < dim; j += src.block) {
+        const Lanes d = broadcast(s[j / src.block]);
+        for (int64_t i = j; i < j + src.block; i += kLanes) store(dst + i, widen_lanes(c + i, d));
+      }
     }
   }
 }
@@ -90,13 +106,11 @@ void scores(const float* q, int64_t q_stride, int64_t rows, const Rows& keys, in
   const Vec vscale(scale);
   for (int64_t t = begin; t < end; t += kLanes) {
     const int64_t n = std::min(kLanes, end - t);
-    widen(keys, t, n, dim, wide);
+    widen<D>(keys, t, n, dim, wide);
     if (n < kLanes) std::fill(wide + n * dim, wide + kLanes * dim, 0.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      float dots[kLanes];
-      (dot_lanes<D>(q + r * q_stride, wide, dim, dim) * vscale).store(dots);
-      std::copy(dots, dots + n, s + r * kKeyBlock + t - begin);
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      (dot_lanes<D>(q + r * q_stride, wide, dim, dim) * vscale)
+          .store(s + r * kKeyBlock + t - begin, static_cast<int>(n));
   }
 }
 
@@ -107,7 +121,7 @@ void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begi
                   int64_t dim, float* wide, float* out) {
   for (int64_t t0 = 0; t0 < n; t0 += kValueRun) {
     const int64_t run = std::min(kValueRun, n - t0);
-    widen(values, begin + t0, run, dim, wide);
+    widen<D>(values, begin + t0, run, dim, wide);
     weigh_rows<D>(s + t0, rows, wide, run, dim, t0 == 0, out);
   }
 }
@@ -211,8 +225,8 @@ at::Tensor decode_attend_q8(const at::Tensor& q, const at::Tensor& k_new, const 
                                                 blk.end, dim, fscale, s.data(), wide.data(),
                                                 maxes, sums, out);
       };
-      if (dim == 64) attend(std::integral_constant<int, 64>{});
-      else if (dim == 128) attend(std::integral_constant<int, 128>{});
+      if (dim == 64 && block == kFixedBlock) attend(std::integral_constant<int, 64>{});
+      else if (dim == 128 && block == kFixedBlock) attend(std::integral_constant<int, 128>{});
       else attend(std::integral_constant<int, 0>{});
     };
   };
