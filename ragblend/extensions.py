@@ -8,10 +8,10 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -22,6 +22,9 @@ CSRC = Path(__file__).resolve().parent / "fusion" / "cpu" / "csrc"
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # at::vec's 16-lane code, for a source that uses ATen's vectorized types
 ATEN_AVX512 = ("-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")
+
+
+Loaded = TypeVar("Loaded")
 
 
 class Build(NamedTuple):
@@ -92,3 +95,31 @@ def load_ops(name: str, sources: Sequence[str], flags: Sequence[str], *, csrc: P
             is_python_module=False,
         )
     return getattr(torch.ops, name)
+
+
+def widest_that_loads(
+    builds: Sequence[Build],
+    load: Callable[[Build], Loaded],
+    runs: Callable[[Build], bool],
+    what: str,
+    log: logging.Logger,
+) -> Loaded | None:
+    """``load(build)`` for the first of ``builds`` (widest first) that ``runs`` on this CPU.
+    Where a wider one raises (a compiler failing, a load-time check): one warning on ``log``
+    ("ragblend's <level> build <name> of its <what> fails (<why>); using the next build"), then
+    the next. The
+    narrowest that runs raises what it raised (its caller says what that leaves); None where
+    none runs here."""
+    candidates = [build for build in builds if runs(build)]
+    for build in candidates[:-1]:
+        try:
+            return load(build)
+        except Exception as exc:  # the message says which: compiler, loader or check
+            log.warning(
+                "ragblend's %s build %s of its %s fails (%s); using the next build",
+                build.level,
+                build.name,
+                what,
+                exc,
+            )
+    return load(candidates[-1]) if candidates else None

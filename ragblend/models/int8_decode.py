@@ -31,7 +31,7 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import AVX512, Build, load_ops
+from ragblend.extensions import AVX512, Build, load_ops, widest_that_loads
 from ragblend.models import int8_reference as ref
 from ragblend.models.quant_kernels import AVX2_FLAGS, QUANT_TYPES, random_blocks
 
@@ -142,17 +142,15 @@ def _first_build() -> Int8Kernels | str:
         why = f"they need CPU level {LEVEL}; this CPU is at {cpu.cpu_isa()}"
         log.warning("8-bit decode activations are off, decoding in float: %s", why)
         return why
-    for build in BUILDS:
-        if not runs_here(build):
-            continue
-        try:
-            return kernels_of(build.name)
-        except Exception as exc:  # compiler missing or failing, or a check: the message says
-            if build is BUILDS[-1]:
-                log.warning("8-bit decode activations are off, decoding in float: %s", exc)
-                return str(exc)
-            log.warning("the %s int8 kernels are off (%s); using the next build", build.name, exc)
-    raise AssertionError("unreachable: the last build is the least level")
+    try:
+        built = widest_that_loads(
+            BUILDS, lambda b: kernels_of(b.name), runs_here, "int8 kernels", log
+        )
+    except Exception as exc:  # compiler missing or failing, or a check: the message says
+        log.warning("8-bit decode activations are off, decoding in float: %s", exc)
+        return str(exc)
+    assert built is not None, "the last build is the least level"
+    return built
 
 
 def kernels_of(name: str) -> Int8Kernels:

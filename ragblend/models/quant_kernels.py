@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from ragblend import cpu
-from ragblend.extensions import AVX512, Build, load_ops
+from ragblend.extensions import AVX512, Build, load_ops, widest_that_loads
 
 log = logging.getLogger(__name__)
 
@@ -169,21 +169,15 @@ def _first_build() -> QuantKernels | str:
         why = f"they need CPU level {LEVEL}; this CPU is at {cpu.cpu_isa()} ({cpu.cpu_model()})"
         log.warning("ragblend's native quantized-weight kernels are off: %s", why)
         return why
-    for build in BUILDS:
-        if not cpu.isa_at_least(build.level):
-            continue
-        try:
-            return _build(build)
-        except Exception as exc:  # compiler missing or failing, or a check: the message says
-            if build is BUILDS[-1]:
-                log.warning("ragblend's native quantized-weight kernels are off: %s", exc)
-                return str(exc)
-            log.warning(
-                "ragblend's %s quantized-weight kernels are off (%s); using the next build",
-                build.level,
-                exc,
-            )
-    raise AssertionError("unreachable: the last build is the least level")
+    try:
+        built = widest_that_loads(
+            BUILDS, _build, lambda b: cpu.isa_at_least(b.level), "quantized-weight kernels", log
+        )
+    except Exception as exc:  # compiler missing or failing, or a check: the message says
+        log.warning("ragblend's native quantized-weight kernels are off: %s", exc)
+        return str(exc)
+    assert built is not None, "the last build is the least level"
+    return built
 
 
 def kernels_of(level: str) -> QuantKernels:
