@@ -81,7 +81,9 @@ RAGBLEND_INLINE void widen(const Rows& src, int64_t t0, int64_t n, int64_t dim, 
   for (int64_t t = t0; t < t0 + n; ++t, dst += D ? D : dim) {
     const int8_t* c = src.codes + t * src.code_stride;
     const float* s = src.scales + t * src.scale_stride;
-    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadRows * src.code_stride), _MM_HINT_T0);
+    const char* codes_ahead = reinterpret_cast<const char*>(c + kAheadRows * src.code_stride);
+    for (int64_t line = 0; line < (D ? D : dim); line += 64)
+      _mm_prefetch(codes_ahead + line, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(s + kAheadRows * src.scale_stride), _MM_HINT_T0);
     if constexpr (D > 0) {
       ragblend::unroll<D / kLanes>([&](auto i) RAGBLEND_INLINE_LAMBDA {
