@@ -107,9 +107,8 @@ def widest_that_loads(
     """``load(build)`` for the first of ``builds`` (widest first) that ``runs`` on this CPU.
     Where a wider one raises (a compiler failing, a load-time check): one warning on ``log``
     ("ragblend's <level> build <name> of its <what> fails (<why>); using the next build"), then
-    the next. The
-    narrowest that runs raises what it raised (its caller says what that leaves); None where
-    none runs here."""
+    the next. The narrowest that runs raises what it raised (its caller says what that leaves);
+    None where none runs here."""
     candidates = [build for build in builds if runs(build)]
     for build in candidates[:-1]:
         try:
