@@ -11,10 +11,11 @@
 // The new token's K/V come in float32 and are quantized here (the same codes and scales
 // ragblend.fusion.decode_q8.quantize_q8 gives in torch: one IEEE division and rounding per
 // value), written at each request's position, then each query head attends keys [lo_b, p_b].
-// q is float32 and so is everything after the codes: each run of keys or values is widened
-// (code * scale, the float32 product torch's dequantization gives) into L1 scratch once for
-// all query heads of its KV head, and scored / weighed there in float32, so the result is
-// SDPA's over the dequantized K/V to float32 rounding, from about a quarter of fp32's bytes.
+// q is float32 and so is everything after the codes: each run of keys is widened (code *
+// scale, the float32 product torch's dequantization gives) into L1 scratch once for all query
+// heads of its KV head and scored there; the values are weighed straight from their codes,
+// each weight times the value's scale first (weigh_values). The result is SDPA's over the
+// dequantized K/V to float32 rounding, from about a quarter of fp32's bytes.
 //
 // The key blocks, their merge and the write of the new codes: decode_step.h, as the other
 // decode kernels'. A request's blocks depend only on its own position, so a request decoded in
@@ -48,17 +49,20 @@ namespace {
 using ragblend::decode::Block;
 using ragblend::decode::decode_step;
 
-// kLanes codes at c as float32 times d: the float32 product torch's dequantization gives
+// kLanes codes at c as float32 (exactly: |code| <= 127), and times d: the float32 product
+// torch's dequantization gives
 #ifdef RAGBLEND_DECODE_512
-inline Lanes widen_lanes(const int8_t* c, Lanes d) {
+inline Lanes code_lanes(const int8_t* c) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
+inline Lanes widen_lanes(const int8_t* c, Lanes d) { return _mm512_mul_ps(code_lanes(c), d); }
 #else
-inline Lanes widen_lanes(const int8_t* c, Lanes d) {
+inline Lanes code_lanes(const int8_t* c) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
+inline Lanes widen_lanes(const int8_t* c, Lanes d) { return _mm256_mul_ps(code_lanes(c), d); }
 #endif
 
 // Codes and scales of one buffer (one KV head of one request): row t's codes at
@@ -72,19 +76,24 @@ struct Rows {
 constexpr int64_t kFixedBlock = 32;  // the scale block of a head dim known when compiling
 constexpr int64_t kAheadRows = 64;   // rows of codes (and their scales) prefetched ahead
 
+// Row t + kAheadRows's codes (every cache line of its dim) and scales prefetched: one stream
+// per KV head outruns the hardware prefetcher, as the weights' do (quant_int8.cpp).
+RAGBLEND_INLINE void prefetch_ahead(const Rows& src, int64_t t, int64_t dim) {
+  const char* codes = reinterpret_cast<const char*>(src.codes + (t + kAheadRows) * src.code_stride);
+  for (int64_t line = 0; line < dim; line += 64) _mm_prefetch(codes + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(src.scales + (t + kAheadRows) * src.scale_stride),
+               _MM_HINT_T0);
+}
+
 // Rows [t0, t0 + n) of `src` as float32 rows of dim at dst: code * scale. D: the head dim
 // where it is known when compiling (its scale block then kFixedBlock, the loop unrolled),
-// else 0 and `dim`, `src.block`. The codes and scales kAheadRows ahead are prefetched: one
-// stream per KV head outruns the hardware prefetcher, as the weights' do (quant_int8.cpp).
+// else 0 and `dim`, `src.block`.
 template <int D>
 RAGBLEND_INLINE void widen(const Rows& src, int64_t t0, int64_t n, int64_t dim, float* dst) {
   for (int64_t t = t0; t < t0 + n; ++t, dst += D ? D : dim) {
     const int8_t* c = src.codes + t * src.code_stride;
     const float* s = src.scales + t * src.scale_stride;
-    const char* codes_ahead = reinterpret_cast<const char*>(c + kAheadRows * src.code_stride);
-    for (int64_t line = 0; line < (D ? D : dim); line += 64)
-      _mm_prefetch(codes_ahead + line, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(s + kAheadRows * src.scale_stride), _MM_HINT_T0);
+    prefetch_ahead(src, t, D ? D : dim);
     if constexpr (D > 0) {
       ragblend::unroll<D / kLanes>([&](auto i) RAGBLEND_INLINE_LAMBDA {
         constexpr int64_t at = i * kLanes;
@@ -116,15 +125,82 @@ void scores(const float* q, int64_t q_stride, int64_t rows, const Rows& keys, in
   }
 }
 
-// out[r] = sum_t s[r, t] v_t over values [begin, begin + n) for `rows` rows: kValueRun rows
-// at a time widened into wide (kValueRun x dim), then weighed for up to 4 rows at a time.
+// out[r, d0 : d0 + kLanes W] (+)= sum_t w[r, t] code_t over value rows [t0, t0 + n) of
+// `values` for NR query rows, their kLanes W columns in registers (as weigh_run's); out is
+// added to unless first. w[r, t]: the row's weight of value t times the scale of the value's
+// block that holds the columns, at w + (block * rows + r) * kValueRun + t - t0 (weigh_values).
+template <int D, int NR, int W>
+RAGBLEND_INLINE void weigh_code_run(const float* w, int64_t rows, const Rows& values, int64_t t0,
+                                    int64_t n, int64_t d0, int64_t dim, bool first, float* out) {
+  if constexpr (D > 0) dim = D;
+  const int64_t block = D > 0 ? kFixedBlock : values.block;
+  const float* wc[W];  // the weights of each column run's block
+  for (int c = 0; c < W; ++c) wc[c] = w + (d0 + kLanes * c) / block * rows * kValueRun;
+  Lanes acc[NR][W];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < W; ++c)
+      acc[r][c] = first ? zero() : load(out + r * dim + d0 + kLanes * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* codes = values.codes + (t0 + t) * values.code_stride + d0;
+    Lanes vt[W];
+    for (int c = 0; c < W; ++c) vt[c] = code_lanes(codes + kLanes * c);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < W; ++c)
+        acc[r][c] = fmadd(broadcast(wc[c][r * kValueRun + t]), vt[c], acc[r][c]);
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < W; ++c) store(out + r * dim + d0 + kLanes * c, acc[r][c]);
+}
+
+// ... 4 kLanes columns at a time over the head dim (AVX2: 2: its 16 registers)
+template <int D, int NR>
+void weigh_codes(const float* w, int64_t rows, const Rows& values, int64_t t0, int64_t n,
+                 int64_t dim, bool first, float* out) {
+  constexpr int kWide = kLanes == 16 ? 4 : 2;
+  if constexpr (D > 0) dim = D;
+  int64_t d = 0;
+  for (; d + kWide * kLanes <= dim; d += kWide * kLanes)
+    weigh_code_run<D, NR, kWide>(w, rows, values, t0, n, d, dim, first, out);
+  for (; d < dim; d += kLanes) weigh_code_run<D, NR, 1>(w, rows, values, t0, n, d, dim, first, out);
+}
+
+// out[r] = sum_t s[r, t] v_t over values [begin, begin + n) for `rows` rows, straight from the
+// codes: per kValueRun values, each row's weights times each value's scales (w: scratch of
+// blocks x (rows + 1) x kValueRun, blocks = dim / scale block), then the codes weighed by them for up to 4
+// rows at a time. Per value, s * scale * code where dequantizing gives s * (code * scale): the
+// same to float32 rounding, without writing the widened values.
 template <int D>
 void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begin, int64_t n,
-                  int64_t dim, float* wide, float* out) {
+                  int64_t dim, float* w, float* out) {
+  if constexpr (D > 0) dim = D;
+  const int64_t blocks = dim / (D > 0 ? kFixedBlock : values.block);
   for (int64_t t0 = 0; t0 < n; t0 += kValueRun) {
     const int64_t run = std::min(kValueRun, n - t0);
-    widen<D>(values, begin + t0, run, dim, wide);
-    weigh_rows<D>(s + t0, rows, wide, run, dim, t0 == 0, out);
+    float* columns = w + blocks * rows * kValueRun;  // the run's scales, block by block
+    for (int64_t t = 0; t < run; ++t) {
+      const int64_t row = begin + t0 + t;
+      prefetch_ahead(values, row, dim);
+      for (int64_t b = 0; b < blocks; ++b)
+        columns[b * kValueRun + t] = values.scales[row * values.scale_stride + b];
+    }
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t t = 0; t < run; t += Vec::size()) {
+          const int n = static_cast<int>(std::min<int64_t>(Vec::size(), run - t));
+          (Vec::loadu(s + r * kKeyBlock + t0 + t, n) * Vec::loadu(columns + b * kValueRun + t, n))
+              .store(w + (b * rows + r) * kValueRun + t, n);
+        }
+    for (int64_t r = 0; r < rows; r += 4) {
+      const float* wr = w + r * kValueRun;
+      float* o = out + r * dim;
+      const int64_t t = begin + t0;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: weigh_codes<D, 1>(wr, rows, values, t, run, dim, t0 == 0, o); break;
+        case 2: weigh_codes<D, 2>(wr, rows, values, t, run, dim, t0 == 0, o); break;
+        case 3: weigh_codes<D, 3>(wr, rows, values, t, run, dim, t0 == 0, o); break;
+        default: weigh_codes<D, 4>(wr, rows, values, t, run, dim, t0 == 0, o); break;
+      }
+    }
   }
 }
 
@@ -133,11 +209,12 @@ void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begi
 template <int D>
 void attend_block(const float* q, int64_t q_stride, int64_t rows, const Rows& keys,
                   const Rows& values, int64_t begin, int64_t end, int64_t dim, float scale,
-                  float* s, float* wide, float* maxes, float* sums, float* out) {
+                  float* s, float* wide, float* weights, float* maxes, float* sums,
+                  float* out) {
   scores<D>(q, q_stride, rows, keys, begin, end, dim, scale, s, wide);
   for (int64_t r = 0; r < rows; ++r)
     std::tie(maxes[r], sums[r]) = exponentiate(s + r * kKeyBlock, end - begin);
-  weigh_values<D>(s, rows, values, begin, end - begin, dim, wide, out);
+  weigh_values<D>(s, rows, values, begin, end - begin, dim, weights, out);
 }
 
 // One row of dim float32 values quantized: codes[i] and scales[i / block] (see the layout).
@@ -212,7 +289,8 @@ at::Tensor decode_attend_q8(const at::Tensor& q, const at::Tensor& k_new, const 
   const float* qd = q.const_data_ptr<float>();
   const auto make_worker = [&] {
     return [&, s = std::vector<float>(groups * kKeyBlock),
-            wide = std::vector<float>(std::max(kLanes, kValueRun) * dim)](
+            wide = std::vector<float>(kLanes * dim),
+            weights = std::vector<float>(dim / block * (groups + 1) * kValueRun)](
                const Block& blk, const int8_t* kh, const int8_t* vh, int64_t key_stride,
                int64_t value_stride, float* maxes, float* sums, float* out) mutable {
       const at::Tensor& ks = key_scales[blk.request];
@@ -225,7 +303,7 @@ at::Tensor decode_attend_q8(const at::Tensor& q, const at::Tensor& k_new, const 
       const auto attend = [&](auto head_dim) {
         attend_block<decltype(head_dim)::value>(qrows, q.stride(1), groups, k, v, blk.begin,
                                                 blk.end, dim, fscale, s.data(), wide.data(),
-                                                maxes, sums, out);
+                                                weights.data(), maxes, sums, out);
       };
       if (dim == 64 && block == kFixedBlock) attend(std::integral_constant<int, 64>{});
       else if (dim == 128 && block == kFixedBlock) attend(std::integral_constant<int, 128>{});
