@@ -1,4 +1,4 @@
-"""Speed of a decode step's attention over bf16 K/V: each native build, one call per layer.
+"""Speed of a decode step's attention over bf16 or 8-bit K/V: each native build, one call per layer.
 
 For a model's attention shape (query heads, KV heads, head dim, layers), B requests each with
 its own ``--context`` keys of random bf16 K/V per layer (distinct buffers per layer and
@@ -9,10 +9,14 @@ attention (every layer's call) for each build this CPU runs
 - ``fp32_avx2``: fp32 math, bf16 widened, 8 lanes (the fp32 kernels' own build);
 - ``fp32_avx512``: the same at 16 lanes (``avx512`` and above);
 - ``bf16_dpbf16``: AVX512-BF16 dot products (``avx512_bf16`` and above; what a bf16 model
-  decodes with there).
+  decodes with there);
+- ``int8_avx2``, ``int8_avx512``: the 8-bit K/V cache's kernel (``kv_cache_dtype="int8"``:
+  the same random K/V quantized as llama.cpp's q8_0, fp32 q) at 8 and 16 lanes, each where
+  the CPU level runs it (:data:`ragblend.fusion.cpu.decode_q8.Q8_BUILDS`).
 
 Each repeat runs every case once, in turn (interleaved); medians over repeats, with the K/V
-bytes a step reads and the rate it reads them at.
+bytes a step reads and the rate it reads them at (``kv_bytes``: bf16; ``int8_kv_bytes``: the
+codes and their scales).
 
     python benchmarks/decode_attention.py --out out/decode_attention
 """
@@ -25,11 +29,13 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ragblend import cpu
+from ragblend.fusion.cpu.decode_q8 import Q8_BUILDS, Q8Kernel, q8_block, q8_kernel, quantize_q8
 from ragblend.fusion.cpu.native import decode_builds
 
 # name -> (query heads, KV heads, head dim, layers)
@@ -68,6 +74,48 @@ def step(shape: tuple[int, int, int, int], context: int, batch: int) -> Callable
     return run
 
 
+def q8_step(
+    shape: tuple[int, int, int, int], context: int, batch: int
+) -> tuple[Callable[[Q8Kernel], None], int]:
+    """:func:`step` over 8-bit K/V (random K/V quantized per 32 values), fp32 q: call(kernel)
+    runs every layer's call once; with the bytes of codes and scales a step reads."""
+    heads, kv_heads, dim, layers = shape
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, batch, dim, generator=gen)
+    k_new, v_new = torch.randn(2, 1, kv_heads, batch, dim, generator=gen)
+    block = q8_block(dim)
+
+    def buffers() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        return [
+            [
+                quantize_q8(torch.randn(1, kv_heads, context + 1, dim, generator=gen), block)
+                for _ in range(batch)
+            ]
+            for _ in range(layers)
+        ]
+
+    keys, values = buffers(), buffers()
+    positions = [context] * batch
+
+    def run(kernel: Q8Kernel) -> None:
+        for k, v in zip(keys, values):
+            codes_k, scales_k = [c for c, _ in k], [s for _, s in k]
+            codes_v, scales_v = [c for c, _ in v], [s for _, s in v]
+            kernel(q, k_new, v_new, codes_k, scales_k, codes_v, scales_v, positions, 0, dim**-0.5)
+
+    kv_bytes = 2 * layers * batch * kv_heads * (context + 1) * (dim + 4 * dim // block)
+    return run, kv_bytes
+
+
+def int8_builds(dim: int) -> dict[str, Q8Kernel]:
+    """The 8-bit cache's kernel builds this CPU runs for heads of ``dim``, by name."""
+    return {
+        f"int8_{build.level}": q8_kernel(build)
+        for build, lanes in Q8_BUILDS
+        if cpu.isa_at_least(build.level) and dim % lanes == 0 and q8_block(dim) % lanes == 0
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -82,32 +130,47 @@ def main() -> None:
     if not kernels:
         raise SystemExit("no native decode attention runs here (CPU level below avx2?)")
     results = []
+    int8_names: set[str] = set()
     for name in args.shapes:
         shape = SHAPES[name]
         heads, kv_heads, dim, layers = shape
         for context in args.contexts:
             for batch in args.batches:
                 run = step(shape, context, batch)
-                times: dict[str, list[float]] = {build: [] for build in kernels}
-                for kernel, q_dtype in kernels.values():
-                    run(kernel, q_dtype)  # warm: first calls, page faults
+                run_q8, int8_kv_bytes = q8_step(shape, context, batch)
+                int8 = int8_builds(dim)
+                int8_names.update(int8)
+                cases: dict[str, Callable[[], None]] = {
+                    **{build: partial(run, *kernel) for build, kernel in kernels.items()},
+                    **{build: partial(run_q8, kernel) for build, kernel in int8.items()},
+                }
+                times: dict[str, list[float]] = {case: [] for case in cases}
+                for call in cases.values():
+                    call()  # warm: first calls, page faults
                 for _ in range(args.repeats):
-                    for build, (kernel, q_dtype) in kernels.items():
+                    for case, call in cases.items():
                         start = time.perf_counter()
-                        run(kernel, q_dtype)
-                        times[build].append(time.perf_counter() - start)
+                        call()
+                        times[case].append(time.perf_counter() - start)
                 kv_bytes = 2 * layers * batch * kv_heads * (context + 1) * dim * 2
-                row = {"shape": name, "context": context, "batch": batch, "kv_bytes": kv_bytes}
-                for build, ts in times.items():
+                row = {
+                    "shape": name,
+                    "context": context,
+                    "batch": batch,
+                    "kv_bytes": kv_bytes,
+                    "int8_kv_bytes": int8_kv_bytes,
+                }
+                for case, ts in times.items():
                     ms = statistics.median(ts) * 1e3
-                    row[f"{build}_ms"] = round(ms, 3)
-                    row[f"{build}_gb_s"] = round(kv_bytes / ms / 1e6, 1)
+                    read = int8_kv_bytes if case in int8 else kv_bytes
+                    row[f"{case}_ms"] = round(ms, 3)
+                    row[f"{case}_gb_s"] = round(read / ms / 1e6, 1)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     report = {
         "settings": {
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "builds": list(kernels),
+            "builds": list(kernels) + sorted(int8_names),
             "cpu_isa": cpu.cpu_isa(),
             "cpu_model": cpu.cpu_model(),
             "machine": platform.machine(),

@@ -338,7 +338,12 @@ def main() -> None:
     )
     ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="the model's dtype (default float32, not the engine's auto: the grids were tuned "
+        "in fp32; bfloat16 for what a bf16 CPU runs)",
+    )
     add_decode_activations_argument(ap)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
