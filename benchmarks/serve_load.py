@@ -37,6 +37,8 @@ from pathlib import Path
 
 import httpx
 
+from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
+
 REPO = Path(__file__).resolve().parents[1]
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
@@ -52,7 +54,8 @@ def start_server(args: argparse.Namespace, store: str) -> tuple[subprocess.Popen
     port = free_port()
     cmd = [sys.executable, "-m", "ragblend.cli", "serve", "--model", args.model, "--port"]
     cmd += [str(port), "--store-path", store, "--dtype", args.dtype, "--max-running", "8"]
-    cmd += ["--weights", args.weights]
+    cmd += ["--weights", args.weights, "--kv-cache-dtype", args.kv_cache_dtype]
+    cmd += ["--decode-activations", args.decode_activations]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -249,6 +252,18 @@ def main() -> None:
     parser.add_argument("--served-model", default=None, help="the name to request")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--weights", default="auto", choices=("auto", "dequantize"))
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the server's decode-time K/V cache (ragblend serve --kv-cache-dtype)",
+    )
+    parser.add_argument(
+        "--decode-activations",
+        default="auto",
+        choices=DECODE_ACTIVATIONS,
+        help="what the server's decode steps multiply a GGUF's weights by",
+    )
     parser.add_argument("--dataset", type=Path, default=DATASET)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument(
