@@ -126,6 +126,19 @@ def variants(which: str) -> list[Variant]:
                 {**first_chunk_defaults, **RELEVANCE_KV, "near_question_tokens": 128},
             ),
         ]
+    if which == "near":  # more of the rows before the question kept (the first token's error)
+        return out + [
+            Variant("exact first chunk r=0.15", "blend", first_chunk_defaults),
+            *(
+                Variant(
+                    f"exact first chunk, near {k} r=0.15",
+                    "blend",
+                    {**first_chunk_defaults, "near_question_tokens": k},
+                )
+                for k in (384, 512)
+            ),
+            Variant("exact first chunk r=0.18", "blend", {**first_chunk_defaults, "ratio": 0.18}),
+        ]
     if which == "fitted":  # chunks precomputed after their prompt predecessor: recompute less
         return out + [
             Variant("exact first chunk r=0.15", "blend", first_chunk_defaults),
@@ -317,6 +330,7 @@ def main() -> None:
             "curve",
             "defaults",
             "first_chunk",
+            "near",
             "layers",
             "query",
             "fitted",
