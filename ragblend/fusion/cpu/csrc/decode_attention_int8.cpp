@@ -166,9 +166,9 @@ void weigh_codes(const float* w, int64_t rows, const Rows& values, int64_t t0, i
 
 // out[r] = sum_t s[r, t] v_t over values [begin, begin + n) for `rows` rows, straight from the
 // codes: per kValueRun values, each row's weights times each value's scales (w: scratch of
-// blocks x (rows + 1) x kValueRun, blocks = dim / scale block), then the codes weighed by them for up to 4
-// rows at a time. Per value, s * scale * code where dequantizing gives s * (code * scale): the
-// same to float32 rounding, without writing the widened values.
+// blocks x (rows + 1) x kValueRun, blocks = dim / scale block), then the codes weighed by
+// them for up to 4 rows at a time. Per value, s * scale * code where dequantizing gives
+// s * (code * scale): the same to float32 rounding, without writing the widened values.
 template <int D>
 void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begin, int64_t n,
                   int64_t dim, float* w, float* out) {
