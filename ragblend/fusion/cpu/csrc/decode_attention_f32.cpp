@@ -106,7 +106,7 @@ void weigh_values(const float* s, int64_t rows, const T* values, int64_t value_s
   for (int64_t t0 = 0; t0 < n; t0 += kValueRun) {
     const int64_t run = std::min(kValueRun, n - t0);
     widen_rows<D>(values + t0 * value_stride, value_stride, run, dim, wide);
-    weigh_rows<D>(s + t0, rows, wide, run, dim, t0 == 0, out);
+    weigh_rows<D>(FloatRun<D>{s + t0, wide, dim}, rows, run, dim, t0 == 0, out);
   }
 }
 

@@ -125,44 +125,23 @@ void scores(const float* q, int64_t q_stride, int64_t rows, const Rows& keys, in
   }
 }
 
-// out[r, d0 : d0 + kLanes W] (+)= sum_t w[r, t] code_t over value rows [t0, t0 + n) of
-// `values` for NR query rows, their kLanes W columns in registers (as weigh_run's); out is
-// added to unless first. w[r, t]: the row's weight of value t times the scale of the value's
-// block that holds the columns, at w + (block * rows + r) * kValueRun + t - t0 (weigh_values).
-template <int D, int NR, int W>
-RAGBLEND_INLINE void weigh_code_run(const float* w, int64_t rows, const Rows& values, int64_t t0,
-                                    int64_t n, int64_t d0, int64_t dim, bool first, float* out) {
-  if constexpr (D > 0) dim = D;
-  const int64_t block = D > 0 ? kFixedBlock : values.block;
-  const float* wc[W];  // the weights of each column run's block
-  for (int c = 0; c < W; ++c) wc[c] = w + (d0 + kLanes * c) / block * rows * kValueRun;
-  Lanes acc[NR][W];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < W; ++c)
-      acc[r][c] = first ? zero() : load(out + r * dim + d0 + kLanes * c);
-  for (int64_t t = 0; t < n; ++t) {
-    const int8_t* codes = values.codes + (t0 + t) * values.code_stride + d0;
-    Lanes vt[W];
-    for (int c = 0; c < W; ++c) vt[c] = code_lanes(codes + kLanes * c);
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < W; ++c)
-        acc[r][c] = fmadd(broadcast(wc[c][r * kValueRun + t]), vt[c], acc[r][c]);
+// A run of value rows [t0, t0 + n) of `values` weighed straight from their codes (weigh_rows'
+// Run, see FloatRun): the weight of value t for the columns at col is the row's weight times
+// the scale of col's block, at w + (block * rows + r) * kValueRun + t (weigh_values).
+template <int D>
+struct CodeRun {
+  const float* w;
+  const Rows* values;
+  int64_t t0, rows;
+  RAGBLEND_INLINE Lanes value(int64_t t, int64_t col) const {
+    return code_lanes(values->codes + (t0 + t) * values->code_stride + col);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < W; ++c) store(out + r * dim + d0 + kLanes * c, acc[r][c]);
-}
-
-// ... 4 kLanes columns at a time over the head dim (AVX2: 2: its 16 registers)
-template <int D, int NR>
-void weigh_codes(const float* w, int64_t rows, const Rows& values, int64_t t0, int64_t n,
-                 int64_t dim, bool first, float* out) {
-  constexpr int kWide = kLanes == 16 ? 4 : 2;
-  if constexpr (D > 0) dim = D;
-  int64_t d = 0;
-  for (; d + kWide * kLanes <= dim; d += kWide * kLanes)
-    weigh_code_run<D, NR, kWide>(w, rows, values, t0, n, d, dim, first, out);
-  for (; d < dim; d += kLanes) weigh_code_run<D, NR, 1>(w, rows, values, t0, n, d, dim, first, out);
-}
+  RAGBLEND_INLINE float weight(int64_t r, int64_t t, int64_t col) const {
+    const int64_t block = D > 0 ? kFixedBlock : values->block;
+    return (w + col / block * rows * kValueRun)[r * kValueRun + t];  // col's block's weights
+  }
+  CodeRun rows_from(int64_t r) const { return {w + r * kValueRun, values, t0, rows}; }
+};
 
 // out[r] = sum_t s[r, t] v_t over values [begin, begin + n) for `rows` rows, straight from the
 // codes: per kValueRun values, each row's weights times each value's scales (w: scratch of
@@ -190,17 +169,7 @@ void weigh_values(const float* s, int64_t rows, const Rows& values, int64_t begi
           (Vec::loadu(s + r * kKeyBlock + t0 + t, n) * Vec::loadu(columns + b * kValueRun + t, n))
               .store(w + (b * rows + r) * kValueRun + t, n);
         }
-    for (int64_t r = 0; r < rows; r += 4) {
-      const float* wr = w + r * kValueRun;
-      float* o = out + r * dim;
-      const int64_t t = begin + t0;
-      switch (std::min<int64_t>(4, rows - r)) {
-        case 1: weigh_codes<D, 1>(wr, rows, values, t, run, dim, t0 == 0, o); break;
-        case 2: weigh_codes<D, 2>(wr, rows, values, t, run, dim, t0 == 0, o); break;
-        case 3: weigh_codes<D, 3>(wr, rows, values, t, run, dim, t0 == 0, o); break;
-        default: weigh_codes<D, 4>(wr, rows, values, t, run, dim, t0 == 0, o); break;
-      }
-    }
+    weigh_rows<D>(CodeRun<D>{w, &values, begin + t0, rows}, rows, run, dim, t0 == 0, out);
   }
 }
 

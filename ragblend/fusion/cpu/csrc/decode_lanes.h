@@ -110,14 +110,30 @@ std::pair<float, float> exponentiate(float* s, int64_t n) {
   return {max, sum};
 }
 
-constexpr int64_t kValueRun = 32;  // value rows copied to L1 (as float32) and weighed together
+constexpr int64_t kValueRun = 32;  // value rows weighed together (float32 ones copied to L1 first)
 
-// out[r, d0 : d0 + kLanes W] (+)= sum_t s[r, t] v[t] over the run's n rows (v: float32 rows
-// of dim) for NR rows: their kLanes W columns in registers; out is added to unless first. Per
-// element, the same products summed in the same order as one fmadd per value into out.
-template <int D, int NR, int W>
-RAGBLEND_INLINE void weigh_run(const float* s, const float* v, int64_t n, int64_t d0,
-                               int64_t dim, bool first, float* out) {
+// A run of value rows to weigh (weigh_rows), as a kernel stores them: value(t, col), value
+// row t's kLanes columns from col as float32; weight(r, t, col), query row r's weight of value
+// t for those columns; rows_from(r), the same run seen from query row r on. FloatRun: float32
+// rows of dim at v, weighed by the rows' scores s (kKeyBlock apart).
+template <int D>
+struct FloatRun {
+  const float* s;
+  const float* v;
+  int64_t dim;
+  RAGBLEND_INLINE Lanes value(int64_t t, int64_t col) const {
+    return load(v + t * (D ? D : dim) + col);
+  }
+  RAGBLEND_INLINE float weight(int64_t r, int64_t t, int64_t) const { return s[r * kKeyBlock + t]; }
+  FloatRun rows_from(int64_t r) const { return {s + r * kKeyBlock, v, dim}; }
+};
+
+// out[r, d0 : d0 + kLanes W] (+)= sum_t weight(r, t) value(t) over the run's n rows for NR
+// query rows: their kLanes W columns in registers; out is added to unless first. Per element,
+// the same products summed in the same order as one fmadd per value into out.
+template <int D, int NR, int W, class Run>
+RAGBLEND_INLINE void weigh_run(const Run& run, int64_t n, int64_t d0, int64_t dim, bool first,
+                               float* out) {
   if constexpr (D > 0) dim = D;
   Lanes acc[NR][W];
   for (int r = 0; r < NR; ++r)
@@ -125,40 +141,37 @@ RAGBLEND_INLINE void weigh_run(const float* s, const float* v, int64_t n, int64_
       acc[r][w] = first ? zero() : load(out + r * dim + d0 + kLanes * w);
   for (int64_t t = 0; t < n; ++t) {
     Lanes vt[W];
-    for (int w = 0; w < W; ++w) vt[w] = load(v + t * dim + d0 + kLanes * w);
-    for (int r = 0; r < NR; ++r) {
-      const Lanes p = broadcast(s[r * kKeyBlock + t]);
-      for (int w = 0; w < W; ++w) acc[r][w] = fmadd(p, vt[w], acc[r][w]);
-    }
+    for (int w = 0; w < W; ++w) vt[w] = run.value(t, d0 + kLanes * w);
+    for (int r = 0; r < NR; ++r)
+      for (int w = 0; w < W; ++w)
+        acc[r][w] = fmadd(broadcast(run.weight(r, t, d0 + kLanes * w)), vt[w], acc[r][w]);
   }
   for (int r = 0; r < NR; ++r)
     for (int w = 0; w < W; ++w) store(out + r * dim + d0 + kLanes * w, acc[r][w]);
 }
 
 // ... 4 kLanes columns at a time over the run's columns (AVX2: 2: its 16 registers)
-template <int D, int NR>
-void weigh_run(const float* s, const float* v, int64_t n, int64_t dim, bool first, float* out) {
+template <int D, int NR, class Run>
+void weigh_run(const Run& run, int64_t n, int64_t dim, bool first, float* out) {
   constexpr int kWide = kLanes == 16 ? 4 : 2;
   int64_t d = 0;
   for (; d + kWide * kLanes <= dim; d += kWide * kLanes)
-    weigh_run<D, NR, kWide>(s, v, n, d, dim, first, out);
-  for (; d < dim; d += kLanes) weigh_run<D, NR, 1>(s, v, n, d, dim, first, out);
+    weigh_run<D, NR, kWide>(run, n, d, dim, first, out);
+  for (; d < dim; d += kLanes) weigh_run<D, NR, 1>(run, n, d, dim, first, out);
 }
 
-// out[r] (+)= sum_t s[r, t] v_t for `rows` query rows over one run of n float32 value rows
-// of dim at v (s: the rows' scores kKeyBlock apart, from the run's first value), up to 4 rows
-// at a time; out is added to unless first.
-template <int D>
-void weigh_rows(const float* s, int64_t rows, const float* v, int64_t n, int64_t dim, bool first,
-                float* out) {
+// out[r] (+)= sum_t weight(r, t) value(t) for `rows` query rows over one run of n value rows
+// (see FloatRun), up to 4 rows at a time; out (rows of dim) is added to unless first.
+template <int D, class Run>
+void weigh_rows(const Run& run, int64_t rows, int64_t n, int64_t dim, bool first, float* out) {
   for (int64_t r = 0; r < rows; r += 4) {
-    const float* sr = s + r * kKeyBlock;
+    const Run from = run.rows_from(r);
     float* o = out + r * dim;
     switch (std::min<int64_t>(4, rows - r)) {
-      case 1: weigh_run<D, 1>(sr, v, n, dim, first, o); break;
-      case 2: weigh_run<D, 2>(sr, v, n, dim, first, o); break;
-      case 3: weigh_run<D, 3>(sr, v, n, dim, first, o); break;
-      default: weigh_run<D, 4>(sr, v, n, dim, first, o); break;
+      case 1: weigh_run<D, 1>(from, n, dim, first, o); break;
+      case 2: weigh_run<D, 2>(from, n, dim, first, o); break;
+      case 3: weigh_run<D, 3>(from, n, dim, first, o); break;
+      default: weigh_run<D, 4>(from, n, dim, first, o); break;
     }
   }
 }
