@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -46,64 +47,74 @@ SHAPES = {
 }
 
 
-def step(shape: tuple[int, int, int, int], context: int, batch: int) -> Callable[..., None]:
-    """A decode step's attention for ``batch`` requests of ``context`` keys: call(kernel,
-    q dtype) runs every layer's call once."""
-    heads, kv_heads, dim, layers = shape
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, heads, batch, dim, generator=gen).bfloat16()
-    k_new, v_new = torch.randn(2, 1, kv_heads, batch, dim, generator=gen).bfloat16()
+class StepInputs(NamedTuple):
+    """One decode step's random inputs: q [1, H, B, d], k_new, v_new [1, Hkv, B, d] (float32),
+    and per layer and request the same random K/V [1, Hkv, context + 1, d] twice: in bf16
+    (``keys``, ``values``) and quantized as the 8-bit cache holds it (``*_q8``: codes, scales)."""
 
-    def buffers() -> list[list[torch.Tensor]]:
-        return [
-            [
-                torch.randn(1, kv_heads, context + 1, dim, generator=gen).bfloat16()
-                for _ in range(batch)
-            ]
-            for _ in range(layers)
-        ]
-
-    keys, values = buffers(), buffers()
-    positions = [context] * batch
-
-    def run(kernel: Callable[..., torch.Tensor], q_dtype: torch.dtype) -> None:
-        qd = q.to(q_dtype)
-        for layer in range(layers):
-            kernel(qd, k_new, v_new, keys[layer], values[layer], positions, 0, dim**-0.5)
-
-    return run
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    keys: list[list[torch.Tensor]]
+    values: list[list[torch.Tensor]]
+    keys_q8: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    values_q8: list[list[tuple[torch.Tensor, torch.Tensor]]]
 
 
-def q8_step(
-    shape: tuple[int, int, int, int], context: int, batch: int
-) -> tuple[Callable[[Q8Kernel], None], int]:
-    """:func:`step` over 8-bit K/V (random K/V quantized per 32 values), fp32 q: call(kernel)
-    runs every layer's call once; with the bytes of codes and scales a step reads."""
+def step_inputs(shape: tuple[int, int, int, int], context: int, batch: int) -> StepInputs:
+    """Random inputs of a decode step for ``batch`` requests of ``context`` keys (distinct
+    buffers per layer and request)."""
     heads, kv_heads, dim, layers = shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, batch, dim, generator=gen)
     k_new, v_new = torch.randn(2, 1, kv_heads, batch, dim, generator=gen)
     block = q8_block(dim)
 
-    def buffers() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        return [
-            [
-                quantize_q8(torch.randn(1, kv_heads, context + 1, dim, generator=gen), block)
-                for _ in range(batch)
+    def buffers() -> tuple[list[list[torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+        bf16, q8 = [], []
+        for _ in range(layers):
+            drawn = [
+                torch.randn(1, kv_heads, context + 1, dim, generator=gen) for _ in range(batch)
             ]
-            for _ in range(layers)
-        ]
+            bf16.append([x.bfloat16() for x in drawn])
+            q8.append([quantize_q8(x, block) for x in drawn])
+        return bf16, q8
 
-    keys, values = buffers(), buffers()
-    positions = [context] * batch
+    (keys, keys_q8), (values, values_q8) = buffers(), buffers()
+    return StepInputs(q, k_new, v_new, keys, values, keys_q8, values_q8)
+
+
+def step(inputs: StepInputs, context: int) -> Callable[..., None]:
+    """A decode step's attention over the bf16 K/V: call(kernel, q dtype) runs every layer's
+    call once (q and the new K/V rounded to bf16)."""
+    q, k_new, v_new = (t.bfloat16() for t in (inputs.q, inputs.k_new, inputs.v_new))
+    positions = [context] * q.shape[2]
+    scale = q.shape[-1] ** -0.5
+
+    def run(kernel: Callable[..., torch.Tensor], q_dtype: torch.dtype) -> None:
+        qd = q.to(q_dtype)
+        for keys, values in zip(inputs.keys, inputs.values):
+            kernel(qd, k_new, v_new, keys, values, positions, 0, scale)
+
+    return run
+
+
+def q8_step(inputs: StepInputs, context: int) -> tuple[Callable[[Q8Kernel], None], int]:
+    """:func:`step` over the 8-bit K/V, q and the new K/V in float32: call(kernel) runs every
+    layer's call once; with the bytes of codes and scales a step reads."""
+    q, k_new, v_new = inputs.q, inputs.k_new, inputs.v_new
+    positions = [context] * q.shape[2]
+    scale = q.shape[-1] ** -0.5
 
     def run(kernel: Q8Kernel) -> None:
-        for k, v in zip(keys, values):
+        for k, v in zip(inputs.keys_q8, inputs.values_q8):
             codes_k, scales_k = [c for c, _ in k], [s for _, s in k]
             codes_v, scales_v = [c for c, _ in v], [s for _, s in v]
-            kernel(q, k_new, v_new, codes_k, scales_k, codes_v, scales_v, positions, 0, dim**-0.5)
+            kernel(q, k_new, v_new, codes_k, scales_k, codes_v, scales_v, positions, 0, scale)
 
-    kv_bytes = 2 * layers * batch * kv_heads * (context + 1) * (dim + 4 * dim // block)
+    kv_bytes = sum(
+        c.numel() + 4 * s.numel() for layer in inputs.keys_q8 + inputs.values_q8 for c, s in layer
+    )
     return run, kv_bytes
 
 
@@ -136,8 +147,9 @@ def main() -> None:
         heads, kv_heads, dim, layers = shape
         for context in args.contexts:
             for batch in args.batches:
-                run = step(shape, context, batch)
-                run_q8, int8_kv_bytes = q8_step(shape, context, batch)
+                inputs = step_inputs(shape, context, batch)
+                run = step(inputs, context)
+                run_q8, int8_kv_bytes = q8_step(inputs, context)
                 int8 = int8_builds(dim)
                 int8_names.update(int8)
                 cases: dict[str, Callable[[], None]] = {

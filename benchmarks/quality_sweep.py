@@ -126,31 +126,29 @@ def variants(which: str) -> list[Variant]:
                 {**first_chunk_defaults, **RELEVANCE_KV, "near_question_tokens": 128},
             ),
         ]
-    if which == "near":  # more of the rows before the question kept (the first token's error)
-        return out + [
+
+    def each(label: str, option: str, values: tuple) -> list[Variant]:
+        """The defaults, then ``option`` set to each of ``values`` on top of them."""
+        return [
             Variant("exact first chunk r=0.15", "blend", first_chunk_defaults),
             *(
                 Variant(
-                    f"exact first chunk, near {k} r=0.15",
+                    f"exact first chunk, {label} {v} r=0.15",
                     "blend",
-                    {**first_chunk_defaults, "near_question_tokens": k},
+                    {**first_chunk_defaults, option: v},
                 )
-                for k in (384, 512)
+                for v in values
             ),
+        ]
+
+    if which == "near":  # more of the rows before the question kept (the first token's error)
+        return [
+            *out,
+            *each("near", "near_question_tokens", (384, 512)),
             Variant("exact first chunk r=0.18", "blend", {**first_chunk_defaults, "ratio": 0.18}),
         ]
     if which == "fitted":  # chunks precomputed after their prompt predecessor: recompute less
-        return out + [
-            Variant("exact first chunk r=0.15", "blend", first_chunk_defaults),
-            *(
-                Variant(
-                    f"exact first chunk, fitted weight {w} r=0.15",
-                    "blend",
-                    {**first_chunk_defaults, "fitted_chunk_weight": w},
-                )
-                for w in (0.0, 0.25, 0.5)
-            ),
-        ]
+        return out + each("fitted weight", "fitted_chunk_weight", (0.0, 0.25, 0.5))
     if which == "neighbours":  # selection policies re-run on neighbour-aware caches (issue 54)
         return out + [
             Variant("kv T=1.06 r=0.15", "blend", {"ratio": r, "cached_temperature": 1.06}),
