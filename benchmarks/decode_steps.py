@@ -20,14 +20,19 @@ reports each build's step times and its ratio to the first build's.
 way (one set of decoders per storage, made once), and reports each one's step times and its
 ratio to the first one's. ``--decode-activations float,int8`` does the same for
 ``BlendConfig.decode_activations`` (a GGUF's quantized linears: exact or 8-bit activations).
+``--int8-builds ragblend_q8vnni,ragblend_q8amx`` times the 8-bit activations' kernel builds
+(:data:`ragblend.models.int8_decode.BUILDS`) the way ``--quant-builds`` does the float ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -38,7 +43,9 @@ from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
 from ragblend.generation import Prefill, decoder_for
 from ragblend.layer_decode import LayerDecoder, decode_batch
-from ragblend.models.quant_kernels import QuantKernels, kernels_in_use, kernels_of
+from ragblend.models import int8_decode
+from ragblend.models.int8_decode import int8_kernels_in_use
+from ragblend.models.quant_kernels import kernels_in_use, kernels_of
 
 
 def main() -> None:
@@ -60,6 +67,10 @@ def main() -> None:
         "--quant-builds", help="quantized-kernel builds to compare, e.g. avx512_bf16,avx512"
     )
     parser.add_argument(
+        "--int8-builds",
+        help="8-bit activation kernel builds to compare, e.g. ragblend_q8vnni,ragblend_q8amx",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="decode K/V cache storages to compare, e.g. auto,int8 (BlendConfig.kv_cache_dtype)",
@@ -75,12 +86,24 @@ def main() -> None:
     engine = BlendEngine.from_pretrained(args.model, config=config)
     engine.prepare_decode()
     views = {a: engine.with_config(decode_activations=a) for a in numerics}
-    builds: dict[str, QuantKernels | None] = {"default": None}
-    if args.quant_builds:
-        try:
-            builds = {level: kernels_of(level) for level in args.quant_builds.split(",")}
-        except ValueError as exc:
-            parser.error(str(exc))
+    builds: dict[str, Callable[[], AbstractContextManager[None]]] = {
+        "default": contextlib.nullcontext
+    }
+    if args.quant_builds and args.int8_builds:
+        parser.error("compare --quant-builds or --int8-builds, not both in one run")
+    try:
+        if args.quant_builds:
+            builds = {
+                level: functools.partial(kernels_in_use, kernels_of(level))
+                for level in args.quant_builds.split(",")
+            }
+        if args.int8_builds:
+            builds = {
+                name: functools.partial(int8_kernels_in_use, int8_decode.kernels_of(name))
+                for name in args.int8_builds.split(",")
+            }
+    except ValueError as exc:
+        parser.error(str(exc))
     storages = args.kv_cache_dtype.split(",")
     if any(kv not in KV_CACHE_DTYPES for kv in storages):
         parser.error(f"--kv-cache-dtype takes some of {', '.join(KV_CACHE_DTYPES)}")
@@ -105,8 +128,7 @@ def main() -> None:
         }
         for repeat in range(args.repeats + 1):  # the first: warm-up, not counted
             for name, a, kv in variants:
-                kernels = builds[name]
-                with kernels_in_use(kernels) if kernels else contextlib.nullcontext():
+                with builds[name]():
                     for b in batches:
                         batch = decoders[a, kv][:b]
                         for d in batch:
@@ -145,7 +167,8 @@ def main() -> None:
             "repeats": args.repeats,
             "steps": args.steps,
             "threads": args.threads,
-            "quant_builds": list(builds),
+            "quant_builds": args.quant_builds.split(",") if args.quant_builds else ["default"],
+            "int8_builds": args.int8_builds.split(",") if args.int8_builds else ["default"],
             "decode_activations": {a: view.decode_activations for a, view in views.items()},
             "kv_cache_dtypes": storages,
         },

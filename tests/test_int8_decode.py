@@ -131,16 +131,22 @@ def test_bad_input_is_a_clear_error(call, message):
         call(kernels, blocks)
 
 
+AMX_BUILD, VNNI_BUILD, AVX2_BUILD = int8_decode.BUILDS
 needs_vnni = pytest.mark.skipif(
-    not int8_decode.runs_here(int8_decode.BUILDS[0]),
+    not int8_decode.runs_here(VNNI_BUILD),
     reason="the VNNI build needs AVX512 with AVX512-VNNI",
 )
+needs_amx = pytest.mark.skipif(
+    not int8_decode.runs_here(AMX_BUILD),
+    reason="the AMX build needs AMX-INT8 and AVX512-VNNI",
+)
+TILED = (3, 8)  # the types the AMX build takes to its tiles: Q4_1, Q8_0
 
 
 @needs_vnni
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_the_vnni_build_gives_the_avx2_builds_floats_bit_for_bit(qtype):
-    vnni, avx2 = (int8_decode.kernels_of(b.name) for b in int8_decode.BUILDS)
+    vnni, avx2 = (int8_decode.kernels_of(b.name) for b in (VNNI_BUILD, AVX2_BUILD))
     assert (vnni.build, avx2.build) == ("ragblend_q8vnni", "ragblend_q8")
     blocks = random_blocks(97, 1024, qtype, torch.Generator().manual_seed(qtype + 7))
     bias = torch.randn(97)
@@ -153,20 +159,62 @@ def test_the_vnni_build_gives_the_avx2_builds_floats_bit_for_bit(qtype):
         assert bool(((got - want).abs() <= bound).all())
 
 
+@needs_amx
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_the_amx_build_is_the_integer_reference_and_each_row_the_same_alone(qtype):
+    """Q4_1 and Q8_0 run on AMX-INT8 tiles (their per-block terms in another float32 order:
+    within the reference's bound, not the VNNI build's bits); the other types, the VNNI code."""
+    amx, vnni = (int8_decode.kernels_of(b.name) for b in (AMX_BUILD, VNNI_BUILD))
+    blocks = random_blocks(97, 1024, qtype, torch.Generator().manual_seed(qtype + 11))
+    bias = torch.randn(97)  # 97 rows: 6 groups of 16 and one of 1
+    x = _x(16, 1024, qtype + 3)
+    batched = amx.matmul(x, blocks, qtype, 1024, bias)
+    want = int8_reference.matmul_reference(x, blocks, qtype, 1024, bias)
+    bound = int8_reference.term_bound(x, blocks, qtype, 1024, bias)
+    assert bool(((batched - want).abs() <= bound).all())
+    for n in (1, 4, 7):
+        assert torch.equal(amx.matmul(x[:n], blocks, qtype, 1024, bias), batched[:n])
+    assert torch.equal(amx.matmul(x[9:10], blocks, qtype, 1024, bias)[0], batched[9])
+    same = torch.equal(batched, vnni.matmul(x, blocks, qtype, 1024, bias))
+    assert same == (qtype not in TILED)
+
+
+@needs_amx
+def test_the_amx_build_tiles_each_weight_of_a_concatenation():
+    amx = int8_decode.kernels_of(AMX_BUILD.name)
+    gen = torch.Generator().manual_seed(5)
+    parts = [random_blocks(rows, 512, q, gen) for rows, q in ((40, 3), (24, 8), (33, 12))]
+    biases = [torch.randn(p.shape[0], generator=gen) for p in parts]
+    x = _x(5, 512, 2)
+    alone = [amx.matmul(x, p, q, 512, b) for p, q, b in zip(parts, (3, 8, 12), biases)]
+    assert torch.equal(amx.matmul_cat(x, parts, [3, 8, 12], 512, biases), torch.cat(alone, 1))
+
+
+def test_the_amx_build_needs_amx_int8_and_vnni(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: "amx")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
+    assert not int8_decode.runs_here(AMX_BUILD)  # AMX-BF16 only (a cap, or no AMX-INT8)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni", "amx_int8"}))
+    assert int8_decode.runs_here(AMX_BUILD)
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: "avx512_bf16")  # RAGBLEND_CPU_ISA caps it
+    assert not int8_decode.runs_here(AMX_BUILD) and int8_decode.runs_here(VNNI_BUILD)
+
+
 @needs_vnni
 def test_the_widest_build_this_cpu_runs_is_the_one_taken(monkeypatch):
     kernels = int8_kernels()
-    assert kernels is not None and kernels.build == "ragblend_q8vnni"
+    widest = AMX_BUILD if int8_decode.runs_here(AMX_BUILD) else VNNI_BUILD
+    assert kernels is not None and kernels.build == widest.name
     monkeypatch.setattr(cpu, "cpu_isa", lambda: "avx2")  # RAGBLEND_CPU_ISA=avx2
-    assert not int8_decode.runs_here(int8_decode.BUILDS[0])
-    assert int8_decode.runs_here(int8_decode.BUILDS[1])
+    assert not int8_decode.runs_here(AMX_BUILD) and not int8_decode.runs_here(VNNI_BUILD)
+    assert int8_decode.runs_here(AVX2_BUILD)
     monkeypatch.setattr(int8_decode, "_BUILT", None)
     capped = int8_kernels()
     assert capped is not None and capped.build == "ragblend_q8"
 
 
 def test_the_vnni_build_needs_avx512_and_its_vnni_flag(monkeypatch):
-    vnni = int8_decode.BUILDS[0]
+    vnni = VNNI_BUILD
     monkeypatch.setattr(cpu, "cpu_isa", lambda: "amx")
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f"}))  # Skylake-SP
     assert not int8_decode.runs_here(vnni)
@@ -181,13 +229,14 @@ def test_the_vnni_build_needs_avx512_and_its_vnni_flag(monkeypatch):
 
 
 @needs_vnni
-def test_a_vnni_build_that_fails_its_check_leaves_the_avx2_build_with_one_warning(
+def test_a_wide_build_that_fails_its_check_leaves_the_next_build_with_one_warning(
     monkeypatch, caplog
 ):
     check = int8_decode.check
+    runnable = [b.name for b in int8_decode.BUILDS if int8_decode.runs_here(b)]
 
     def failing(kernels):
-        if kernels.build == "ragblend_q8vnni":
+        if kernels.build == runnable[0]:
             raise RuntimeError("Q4_K int8 matmul does not match the integer reference")
         check(kernels)
 
@@ -196,9 +245,9 @@ def test_a_vnni_build_that_fails_its_check_leaves_the_avx2_build_with_one_warnin
     with caplog.at_level(logging.WARNING, logger="ragblend.models.int8_decode"):
         kernels = int8_kernels()
         assert int8_kernels() is kernels
-    assert kernels is not None and kernels.build == "ragblend_q8"
+    assert kernels is not None and kernels.build == runnable[1]
     warnings = [r.message for r in caplog.records]
-    assert len(warnings) == 1 and "ragblend_q8vnni" in warnings[0] and "Q4_K" in warnings[0]
+    assert len(warnings) == 1 and runnable[0] in warnings[0] and "Q4_K" in warnings[0]
 
 
 def test_a_kernel_off_the_reference_fails_the_check():

@@ -38,8 +38,16 @@ from ragblend.models.quant_kernels import AVX2_FLAGS, QUANT_TYPES, random_blocks
 log = logging.getLogger(__name__)
 
 # widest first; int8_kernels() takes the first one this CPU runs that builds and checks. The
-# VNNI build (vpdpbusd / vpdpwssd on 256-bit lanes) gives the AVX2 build's floats bit for bit.
+# VNNI build (vpdpbusd / vpdpwssd on 256-bit lanes) gives the AVX2 build's floats bit for bit;
+# the AMX build (AMX-INT8 tiles for Q4_1 and Q8_0, the VNNI code for the other types) gives
+# those two types' per-block terms in another float32 order: the same to float32 rounding.
 BUILDS: tuple[Build, ...] = (
+    Build(
+        "amx",
+        "ragblend_q8amx",
+        (*AVX2_FLAGS, *AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DRAGBLEND_Q8_VNNI")
+        + ("-DRAGBLEND_Q8_AMX", "-DRAGBLEND_Q8_NS=ragblend_q8amx"),
+    ),
     Build(
         "avx512",
         "ragblend_q8vnni",
@@ -49,7 +57,10 @@ BUILDS: tuple[Build, ...] = (
     Build("avx2", "ragblend_q8", AVX2_FLAGS),
 )
 # /proc/cpuinfo flags a build needs beyond its CPU level
-EXTRA_FLAGS: dict[str, frozenset[str]] = {"ragblend_q8vnni": frozenset({"avx512_vnni"})}
+EXTRA_FLAGS: dict[str, frozenset[str]] = {
+    "ragblend_q8amx": frozenset({"avx512_vnni", "amx_int8"}),
+    "ragblend_q8vnni": frozenset({"avx512_vnni"}),
+}
 LEVEL = BUILDS[-1].level  # the least the kernels need
 
 
@@ -151,6 +162,18 @@ def _first_build() -> Int8Kernels | str:
         return str(exc)
     assert built is not None, "the last build is the least level"
     return built
+
+
+@contextmanager
+def int8_kernels_in_use(kernels: Int8Kernels) -> Iterator[None]:
+    """``kernels`` (one build's, :func:`kernels_of`) as :func:`int8_kernels` inside the block:
+    for benchmarks that compare builds in one process."""
+    global _BUILT
+    before, _BUILT = _BUILT, kernels
+    try:
+        yield
+    finally:
+        _BUILT = before
 
 
 def kernels_of(name: str) -> Int8Kernels:

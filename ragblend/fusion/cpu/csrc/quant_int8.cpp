@@ -35,8 +35,14 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#ifdef RAGBLEND_Q8_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "task_queue.h"
 
@@ -436,6 +442,173 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
   }
 }
 
+#ifdef RAGBLEND_Q8_AMX
+// AMX-INT8 tiles for Q4_1 and Q8_0 (built with -DRAGBLEND_Q8_AMX beside the VNNI build's
+// flags; the other types run the VNNI code). 16 weight rows a group; per 32-weight block, x's
+// codes (n rows x 32, signed) are tile A straight from the quantized x, the group's weights
+// tile B in VNNI layout (row kk: weights 4kk..4kk+3 of each of the 16 rows, gathered from the
+// blocks as stored; Q4_1's nibbles split after the gather), and one tdpbsud (Q4_1's unsigned
+// quants) or tdpbssd (Q8_0) gives the block's exact integer sum for every (x row, weight row)
+// pair at once. Then per x row one FMA over the 16 weight rows, (d_w * d_x) * isum, and for
+// Q4_1 a second, m * d_x * sum(q_x). A row's output depends only on its own x row: the same
+// alone and batched. The float32 order is per block, where the VNNI and AVX2 builds' 8 lanes
+// each sum 4 products a block: the same to float32 rounding of the per-block terms (the
+// reference's), not bit for bit.
+#define RAGBLEND_Q8_LAMBDA __attribute__((always_inline))
+
+struct TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tiles' state only when it asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// B rows 0..7 for Q8_0: dword kk of each of the 16 rows' 32 quants at p[m] (zero rows where
+// p[m] is null), an 8 x 8 dword transpose in each 256-bit half of rows m and m + 8
+inline void q8_tile(const uint8_t* const* p, uint8_t* b_tile) {
+  __m512i z[8], t[8], u[8];
+  const auto row = [&](int m) {
+    return p[m] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[m]))
+                : _mm256_setzero_si256();
+  };
+  for (int m = 0; m < 8; ++m) z[m] = _mm512_inserti64x4(_mm512_castsi256_si512(row(m)), row(m + 8), 1);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + m], 128-bit lane l: dword 4 (l % 2) + m of 4 rows
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int m = 0; m < 4; ++m) {
+    _mm512_store_si512(b_tile + m * 64, _mm512_permutex2var_epi64(u[m], low, u[4 + m]));
+    _mm512_store_si512(b_tile + (m + 4) * 64, _mm512_permutex2var_epi64(u[m], high, u[4 + m]));
+  }
+}
+
+// B rows 0..7 for Q4_1: dword kk of each of the 16 rows' 16 bytes of nibbles at p[m] (a 4 x 4
+// dword transpose in each 128-bit lane of rows j, j + 4, j + 8, j + 12), low nibbles (weights
+// 4kk..4kk+3) in row kk, high (16 + 4kk..) in row kk + 4
+inline void q4_1_tile(const uint8_t* const* p, uint8_t* b_tile) {
+  __m512i v[4];
+  const auto row = [&](int m) {
+    return p[m] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[m])) : _mm_setzero_si128();
+  };
+  for (int j = 0; j < 4; ++j) {
+    __m512i w = _mm512_castsi128_si512(row(j));
+    w = _mm512_inserti32x4(w, row(j + 4), 1);
+    w = _mm512_inserti32x4(w, row(j + 8), 2);
+    v[j] = _mm512_inserti32x4(w, row(j + 12), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  const __m512i q[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                        _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  const __m512i m15 = _mm512_set1_epi8(15);
+  for (int kk = 0; kk < 4; ++kk) {
+    _mm512_store_si512(b_tile + kk * 64, _mm512_and_si512(q[kk], m15));
+    _mm512_store_si512(b_tile + (kk + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(q[kk], 4), m15));
+  }
+}
+
+// One block's tiles: B (weights, from b_tile) in tile kB, A (x's codes) in kA, the sums into
+// kC, stored to c_tile. Two sets of tile registers alternate between blocks, so that one
+// block's tile work overlaps the next's (tile registers are not renamed). A macro: GCC's tile
+// intrinsics take their register numbers as literal tokens.
+#define RAGBLEND_BLOCK_SUMS(kQ8, kC, kA, kB, b_tile, x, cols, c_tile) \
+  do {                                                                 \
+    _tile_loadd(kB, b_tile, 64);                                       \
+    _tile_loadd(kA, x, cols);                                          \
+    _tile_zero(kC);                                                    \
+    if constexpr (kQ8) _tile_dpbssd(kC, kA, kB);                       \
+    else _tile_dpbsud(kC, kA, kB);                                     \
+    _tile_stored(kC, c_tile, 64);                                      \
+  } while (0)
+
+template <bool kQ8>  // Q8_0 (d, 32 signed quants) or Q4_1 (d, m, 16 bytes of nibbles)
+void rows_amx(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& xq, int64_t n,
+              const float* bias, int64_t stride, int64_t r0, int64_t r1, float* out) {
+  constexpr int64_t kBytes = kQ8 ? Q8_0::kBytes : Q4_1::kBytes, kQuants = kQ8 ? 2 : 4;
+  const int64_t nb = cols / 32;
+  TileConfig cfg;
+  for (int set = 0; set < 6; set += 3) {
+    cfg.rows[set] = static_cast<uint8_t>(n), cfg.colsb[set] = 64;      // C: n x 16 int32
+    cfg.rows[set + 1] = static_cast<uint8_t>(n), cfg.colsb[set + 1] = 32;  // A: n x 32 codes
+    cfg.rows[set + 2] = 8, cfg.colsb[set + 2] = 64;  // B: 8 x 16 rows x 4 weights
+  }
+  _tile_loadconfig(&cfg);
+  // kRun blocks at a time: all their B tiles prepared first (vector work), then their tile
+  // work back to back (the B stores long done, one block's tiles overlapping the next's),
+  // then their sums combined in block order
+  constexpr int64_t kRun = 16;
+  alignas(64) uint8_t b_tile[kRun][8 * 64];
+  alignas(64) int32_t c_tile[kRun][kMaxRows * 16];
+  __m512i head[kRun];
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  for (const uint8_t* p = w + r0 * row_bytes; p < w + std::min(r1, r0 + 16) * row_bytes; p += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);  // the first group, not yet asked for
+  for (int64_t g = r0; g < r1; g += 16) {
+    const int64_t rows = std::min<int64_t>(16, r1 - g);
+    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+    const uint8_t* group = w + g * row_bytes;
+    // the next group's bytes fetched in the order they will be read (a group's rows are read
+    // block by block across them, not in memory order)
+    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(16, r1 - g - 16));
+    __m512 acc[kMaxRows];
+    for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < nb; k0 += kRun) {
+      const int64_t run = std::min(kRun, nb - k0);
+      for (int64_t j = 0; j < run; ++j) {
+        const uint8_t* b = group + (k0 + j) * kBytes;
+        const uint8_t* quants[16];
+        for (int m = 0; m < 16; ++m) quants[m] = m < rows ? b + m * row_bytes + kQuants : nullptr;
+        for (int m = 0; m < ahead; ++m)
+          _mm_prefetch(reinterpret_cast<const char*>(b + (16 + m) * row_bytes), _MM_HINT_T1);
+        head[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, b, 1);
+        if constexpr (kQ8) q8_tile(quants, b_tile[j]);
+        else q4_1_tile(quants, b_tile[j]);
+      }
+      for (int64_t j = 0; j < run; ++j) {
+        const int8_t* x = xq.q.data() + (k0 + j) * 32;
+        if (j % 2 == 0) RAGBLEND_BLOCK_SUMS(kQ8, 0, 1, 2, b_tile[j], x, cols, c_tile[j]);
+        else RAGBLEND_BLOCK_SUMS(kQ8, 3, 4, 5, b_tile[j], x, cols, c_tile[j]);
+      }
+      for (int64_t j = 0; j < run; ++j) {
+        const int64_t k = k0 + j;
+        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head[j]));
+        for (int64_t i = 0; i < n; ++i) {
+          const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c_tile[j] + 16 * i));
+          acc[i] =
+              _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[i * nb + k])), acc[i]);
+          if constexpr (!kQ8) {
+            const __m512 mw =
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head[j], 16)));
+            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq.dsum[i * nb + k]), acc[i]);
+          }
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 v = acc[i];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + g));
+      _mm512_mask_storeu_ps(out + i * stride + g, live, v);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <class F>
 void dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
@@ -508,6 +681,17 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       }
       const uint8_t* w = blocks[k].const_data_ptr<uint8_t>();
       float* o = out.data_ptr<float>() + offset;
+#ifdef RAGBLEND_Q8_AMX
+      if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q8_0>) {
+        TORCH_CHECK(amx_permitted(), "matmul_int8: Linux did not grant the AMX tiles' state");
+        parts.push_back({rows, [=](int64_t r0, int64_t r1) {
+                           rows_amx<std::is_same_v<T, Q8_0>>(w, row_bytes, cols, *xp, n, bias,
+                                                             total, r0, r1, o);
+                         }});
+        offset += rows;
+        return;
+      }
+#endif
       parts.push_back({rows, [=](int64_t r0, int64_t r1) {
                          rows_dot<T>(w, row_bytes, cols, *xp, n, bias, total, r0, r1, o);
                        }});
