@@ -3,7 +3,9 @@
 // CPU, AVX2 + FMA + F16C; built a second time with -DRAGBLEND_Q8_VNNI (AVX512-VNNI + VL, op
 // namespace ragblend_q8vnni), where vpdpbusd / vpdpwssd take the place of vpmaddubsw +
 // vpmaddwd + vpaddd: the same integers in the same lanes, so both builds give the same floats
-// bit for bit. The weights are ggml's blocks as stored (quant_blocks.cpp's header
+// bit for bit; and a third time with -DRAGBLEND_Q8_AMX as well (op namespace ragblend_q8amx),
+// whose Q4_1 and Q8_0 run on AMX-INT8 tiles (see rows_amx: the same integer sums, the float32
+// terms in another order). The weights are ggml's blocks as stored (quant_blocks.cpp's header
 // says how); x [n, cols] (n <= 16 rows, float32) is first quantized per block of the weight's
 // type, as ggml quantizes activations for its integer dot products (the Python oracle,
 // ragblend/models/int8_reference.py, defines the same arithmetic in torch integers):
@@ -446,16 +448,15 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
 // AMX-INT8 tiles for Q4_1 and Q8_0 (built with -DRAGBLEND_Q8_AMX beside the VNNI build's
 // flags; the other types run the VNNI code). 16 weight rows a group; per 32-weight block, x's
 // codes (n rows x 32, signed) are tile A straight from the quantized x, the group's weights
-// tile B in VNNI layout (row kk: weights 4kk..4kk+3 of each of the 16 rows, gathered from the
-// blocks as stored; Q4_1's nibbles split after the gather), and one tdpbsud (Q4_1's unsigned
+// tile B in VNNI layout (row kk: weights 4kk..4kk+3 of each of the 16 rows: the blocks as
+// stored, loaded and transposed in registers, Q4_1's nibbles split after; q8_tile, q4_1_tile),
+// and one tdpbsud (Q4_1's unsigned
 // quants) or tdpbssd (Q8_0) gives the block's exact integer sum for every (x row, weight row)
 // pair at once. Then per x row one FMA over the 16 weight rows, (d_w * d_x) * isum, and for
 // Q4_1 a second, m * d_x * sum(q_x). A row's output depends only on its own x row: the same
 // alone and batched. The float32 order is per block, where the VNNI and AVX2 builds' 8 lanes
 // each sum 4 products a block: the same to float32 rounding of the per-block terms (the
 // reference's), not bit for bit.
-#define RAGBLEND_Q8_LAMBDA __attribute__((always_inline))
-
 struct TileConfig {
   uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -476,7 +477,8 @@ inline void q8_tile(const uint8_t* const* p, uint8_t* b_tile) {
     return p[m] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[m]))
                 : _mm256_setzero_si256();
   };
-  for (int m = 0; m < 8; ++m) z[m] = _mm512_inserti64x4(_mm512_castsi256_si512(row(m)), row(m + 8), 1);
+  for (int m = 0; m < 8; ++m)
+    z[m] = _mm512_inserti64x4(_mm512_castsi256_si512(row(m)), row(m + 8), 1);
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
@@ -556,14 +558,16 @@ void rows_amx(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
   const __m512i at = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  // the first group's bytes, not yet asked for (the task may start anywhere in the weight)
   for (const uint8_t* p = w + r0 * row_bytes; p < w + std::min(r1, r0 + 16) * row_bytes; p += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);  // the first group, not yet asked for
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
   for (int64_t g = r0; g < r1; g += 16) {
     const int64_t rows = std::min<int64_t>(16, r1 - g);
     const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
     const uint8_t* group = w + g * row_bytes;
-    // the next group's bytes fetched in the order they will be read (a group's rows are read
-    // block by block across them, not in memory order)
+    // the next group's bytes prefetched to L2 in the order they will be read (a group's rows
+    // are read block by block across them, not in memory order); into L1 they cost more at
+    // one row of x than they gave (0.8x of the VNNI build's LM head, against ~1x)
     const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(16, r1 - g - 16));
     __m512 acc[kMaxRows];
     for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_setzero_ps();
@@ -575,7 +579,7 @@ void rows_amx(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
         for (int m = 0; m < 16; ++m) quants[m] = m < rows ? b + m * row_bytes + kQuants : nullptr;
         for (int m = 0; m < ahead; ++m)
           _mm_prefetch(reinterpret_cast<const char*>(b + (16 + m) * row_bytes), _MM_HINT_T1);
-        head[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, b, 1);
+        head[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, b, 1);  // d, m
         if constexpr (kQ8) q8_tile(quants, b_tile[j]);
         else q4_1_tile(quants, b_tile[j]);
       }
