@@ -44,7 +44,6 @@ from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
 from ragblend.generation import Prefill, decoder_for
 from ragblend.layer_decode import LayerDecoder, decode_batch
 from ragblend.models import int8_decode
-from ragblend.models.int8_decode import int8_kernels_in_use
 from ragblend.models.quant_kernels import kernels_in_use, kernels_of
 
 
@@ -77,6 +76,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default="out/decode_steps.json")
     args = parser.parse_args()
+    if args.quant_builds and args.int8_builds:
+        parser.error("compare --quant-builds or --int8-builds, not both in one run")
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     numerics = args.decode_activations.split(",")
@@ -89,8 +90,6 @@ def main() -> None:
     builds: dict[str, Callable[[], AbstractContextManager[None]]] = {
         "default": contextlib.nullcontext
     }
-    if args.quant_builds and args.int8_builds:
-        parser.error("compare --quant-builds or --int8-builds, not both in one run")
     try:
         if args.quant_builds:
             builds = {
@@ -99,7 +98,9 @@ def main() -> None:
             }
         if args.int8_builds:
             builds = {
-                name: functools.partial(int8_kernels_in_use, int8_decode.kernels_of(name))
+                name: functools.partial(
+                    int8_decode.int8_kernels_in_use, int8_decode.kernels_of(name)
+                )
                 for name in args.int8_builds.split(",")
             }
     except ValueError as exc:
