@@ -41,19 +41,15 @@ log = logging.getLogger(__name__)
 # VNNI build (vpdpbusd / vpdpwssd on 256-bit lanes) gives the AVX2 build's floats bit for bit;
 # the AMX build (AMX-INT8 tiles for Q4_1 and Q8_0, the VNNI code for the other types) gives
 # those two types' per-block terms in another float32 order: the same to float32 rounding.
+_VNNI_FLAGS = (*AVX2_FLAGS, *AVX512, "-mavx512vnni", "-DRAGBLEND_Q8_VNNI")
 BUILDS: tuple[Build, ...] = (
     Build(
         "amx",
         "ragblend_q8amx",
-        (*AVX2_FLAGS, *AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DRAGBLEND_Q8_VNNI")
-        + ("-DRAGBLEND_Q8_AMX", "-DRAGBLEND_Q8_NS=ragblend_q8amx"),
+        (*_VNNI_FLAGS, "-mamx-tile", "-mamx-int8", "-DRAGBLEND_Q8_AMX")
+        + ("-DRAGBLEND_Q8_NS=ragblend_q8amx",),
     ),
-    Build(
-        "avx512",
-        "ragblend_q8vnni",
-        (*AVX2_FLAGS, *AVX512, "-mavx512vnni", "-DRAGBLEND_Q8_VNNI")
-        + ("-DRAGBLEND_Q8_NS=ragblend_q8vnni",),
-    ),
+    Build("avx512", "ragblend_q8vnni", (*_VNNI_FLAGS, "-DRAGBLEND_Q8_NS=ragblend_q8vnni")),
     Build("avx2", "ragblend_q8", AVX2_FLAGS),
 )
 # /proc/cpuinfo flags a build needs beyond its CPU level

@@ -450,13 +450,12 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
 // codes (n rows x 32, signed) are tile A straight from the quantized x, the group's weights
 // tile B in VNNI layout (row kk: weights 4kk..4kk+3 of each of the 16 rows: the blocks as
 // stored, loaded and transposed in registers, Q4_1's nibbles split after; q8_tile, q4_1_tile),
-// and one tdpbsud (Q4_1's unsigned
-// quants) or tdpbssd (Q8_0) gives the block's exact integer sum for every (x row, weight row)
-// pair at once. Then per x row one FMA over the 16 weight rows, (d_w * d_x) * isum, and for
-// Q4_1 a second, m * d_x * sum(q_x). A row's output depends only on its own x row: the same
-// alone and batched. The float32 order is per block, where the VNNI and AVX2 builds' 8 lanes
-// each sum 4 products a block: the same to float32 rounding of the per-block terms (the
-// reference's), not bit for bit.
+// and one tdpbsud (Q4_1's unsigned quants) or tdpbssd (Q8_0) gives the block's exact integer
+// sum for every (x row, weight row) pair at once. Then per x row one FMA over the 16 weight
+// rows, (d_w * d_x) * isum, and for Q4_1 a second, m * d_x * sum(q_x). A row's output depends
+// only on its own x row: the same alone and batched. The float32 order is per block, where the
+// VNNI and AVX2 builds' 8 lanes each sum 4 products a block: the same to float32 rounding of
+// the per-block terms (the reference's), not bit for bit.
 struct TileConfig {
   uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -591,15 +590,13 @@ void rows_amx(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
       for (int64_t j = 0; j < run; ++j) {
         const int64_t k = k0 + j;
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head[j]));
+        const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head[j], 16)));
         for (int64_t i = 0; i < n; ++i) {
           const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c_tile[j] + 16 * i));
           acc[i] =
               _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[i * nb + k])), acc[i]);
-          if constexpr (!kQ8) {
-            const __m512 mw =
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head[j], 16)));
+          if constexpr (!kQ8)
             acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq.dsum[i * nb + k]), acc[i]);
-          }
         }
       }
     }
@@ -612,6 +609,18 @@ void rows_amx(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& x
   _tile_release();
 }
 #endif
+
+// Weight rows [r0, r1) of type T times x (rows_dot's arguments): on the tiles where this build
+// has them for T (rows_amx), else rows_dot.
+template <class T>
+void weight_rows(const uint8_t* w, int64_t row_bytes, int64_t cols, const XQuant& xq, int64_t n,
+                 const float* bias, int64_t stride, int64_t r0, int64_t r1, float* out) {
+#ifdef RAGBLEND_Q8_AMX
+  if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q8_0>)
+    return rows_amx<std::is_same_v<T, Q8_0>>(w, row_bytes, cols, xq, n, bias, stride, r0, r1, out);
+#endif
+  rows_dot<T>(w, row_bytes, cols, xq, n, bias, stride, r0, r1, out);
+}
 
 template <class F>
 void dispatch(int64_t qtype, F&& f) {
@@ -658,6 +667,9 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
               " columns, expected ", cols, " (a multiple of 32)");
   TORCH_CHECK(!blocks.empty() && qtypes.size() == blocks.size() && biases.size() == blocks.size(),
               "matmul_int8: one qtype and one bias (or None) per weight, and at least one weight");
+#ifdef RAGBLEND_Q8_AMX
+  TORCH_CHECK(amx_permitted(), "matmul_int8: Linux did not grant the AMX tiles' state");
+#endif
   const int64_t n = x.size(0);
   int64_t total = 0;
   for (const at::Tensor& b : blocks) total += b.dim() == 2 ? b.size(0) : 0;
@@ -685,19 +697,8 @@ at::Tensor matmul_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRe
       }
       const uint8_t* w = blocks[k].const_data_ptr<uint8_t>();
       float* o = out.data_ptr<float>() + offset;
-#ifdef RAGBLEND_Q8_AMX
-      if constexpr (std::is_same_v<T, Q4_1> || std::is_same_v<T, Q8_0>) {
-        TORCH_CHECK(amx_permitted(), "matmul_int8: Linux did not grant the AMX tiles' state");
-        parts.push_back({rows, [=](int64_t r0, int64_t r1) {
-                           rows_amx<std::is_same_v<T, Q8_0>>(w, row_bytes, cols, *xp, n, bias,
-                                                             total, r0, r1, o);
-                         }});
-        offset += rows;
-        return;
-      }
-#endif
       parts.push_back({rows, [=](int64_t r0, int64_t r1) {
-                         rows_dot<T>(w, row_bytes, cols, *xp, n, bias, total, r0, r1, o);
+                         weight_rows<T>(w, row_bytes, cols, *xp, n, bias, total, r0, r1, o);
                        }});
       offset += rows;
     });
