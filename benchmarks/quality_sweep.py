@@ -69,6 +69,17 @@ def variants(which: str) -> list[Variant]:
                 for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
             ),
         ]
+    if which == "curve_first_chunk":  # the curve again with the first chunk's exact entry
+        first = {**default_selection(), "exact_first_chunk": True}
+        return out + [
+            Variant("reuse, exact first chunk", "reuse", {"exact_first_chunk": True}),
+            *(
+                Variant(
+                    f"defaults, exact first chunk r={ratio}", "blend", {**first, "ratio": ratio}
+                )
+                for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
+            ),
+        ]
     if which == "defaults":  # today's defaults against the ones before issue 54
         return out + [
             BEFORE,
@@ -90,6 +101,11 @@ def variants(which: str) -> list[Variant]:
         ]
     # today's defaults at r = 0.15, the first chunk's exact entry included
     first_chunk_defaults = {**default_selection(), "exact_first_chunk": True, "ratio": r}
+    if which == "neighbour_count":  # one run per --precompute-neighbours (the caches differ)
+        return out + [
+            Variant("reuse, exact first chunk", "reuse", {"exact_first_chunk": True}),
+            Variant("defaults, exact first chunk r=0.15", "blend", first_chunk_defaults),
+        ]
     if which == "layers":  # a per-layer budget: more check layers at about the same cost
         schedules = {
             "(1,10) 1.5/1.0": ((1, 10), (1.5, 1.0)),  # the defaults
@@ -326,12 +342,14 @@ def main() -> None:
             "neighbours",
             "neighbours2",
             "curve",
+            "curve_first_chunk",
             "defaults",
             "first_chunk",
             "near",
             "layers",
             "query",
             "fitted",
+            "neighbour_count",
             "baselines",
             "smoke",
         ),
@@ -341,6 +359,12 @@ def main() -> None:
         default=None,
         help="how chunks are precomputed (default: the engine's, neighbour-aware; the grids "
         "before issue 54 ran with canonical)",
+    )
+    ap.add_argument(
+        "--precompute-neighbours",
+        type=int,
+        default=None,
+        help="neighbours per chunk for the neighbours context (default: the engine's, 2)",
     )
     ap.add_argument(
         "--skip-passages",
@@ -364,6 +388,8 @@ def main() -> None:
     # rows near the question, the second check layer's scale before issue 54), so a variant's
     # name says everything it runs with
     context = {"precompute_context": args.precompute_context} if args.precompute_context else {}
+    if args.precompute_neighbours is not None:
+        context["precompute_neighbours"] = args.precompute_neighbours
     engine = BlendEngine.from_pretrained(
         args.model,
         dtype=args.dtype,
@@ -396,6 +422,7 @@ def main() -> None:
         results["settings"] = {
             **vars(args),
             "precompute_context": engine.config.precompute_context,
+            "precompute_neighbours": engine.config.precompute_neighbours,
             "decode_activations_resolved": engine.decode_activations,
             "n": len(rows),
             "torch_threads": torch.get_num_threads(),
