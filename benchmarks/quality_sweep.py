@@ -44,6 +44,9 @@ HOT = {"cached_temperature": 1.1}
 BEFORE = Variant(
     "kv T=1.06 r=0.15 (defaults before)", "blend", {"ratio": 0.15, "cached_temperature": 1.06}
 )
+FIRST = {"exact_first_chunk": True}
+REUSE_FIRST = Variant("reuse, exact first chunk", "reuse", FIRST)
+CURVE_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
 OPTIONS_OFF = {
     "cached_temperature": 1.0,
     "chunk_start_tokens": 0,
@@ -66,46 +69,27 @@ def variants(which: str) -> list[Variant]:
             BEFORE,
             *(
                 Variant(f"defaults r={ratio}", "blend", {**default_selection(), "ratio": ratio})
-                for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
+                for ratio in CURVE_RATIOS
             ),
         ]
     if which == "curve_first_chunk":  # the curve again with the first chunk's exact entry
-        first = {**default_selection(), "exact_first_chunk": True}
-        return out + [
-            Variant("reuse, exact first chunk", "reuse", {"exact_first_chunk": True}),
-            *(
-                Variant(
-                    f"defaults, exact first chunk r={ratio}", "blend", {**first, "ratio": ratio}
-                )
-                for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
-            ),
-        ]
+        return out + [REUSE_FIRST, *(first_chunk_blend(ratio) for ratio in CURVE_RATIOS)]
     if which == "defaults":  # today's defaults against the ones before issue 54
         return out + [
             BEFORE,
             Variant("defaults r=0.15", "blend", {**default_selection(), "ratio": r}),
         ]
     if which == "first_chunk":  # the first chunk's exact entry (exact_first_chunk, issue 54)
-        first = {"exact_first_chunk": True}
         return out + [
-            Variant("reuse, exact first chunk", "reuse", first),
+            REUSE_FIRST,
             Variant("defaults r=0.15", "blend", {**default_selection(), "ratio": r}),
-            *(
-                Variant(
-                    f"defaults, exact first chunk r={ratio}",
-                    "blend",
-                    {**default_selection(), **first, "ratio": ratio},
-                )
-                for ratio in (0.15, 0.18)
-            ),
+            first_chunk_blend(0.15),
+            first_chunk_blend(0.18),
         ]
     # today's defaults at r = 0.15, the first chunk's exact entry included
-    first_chunk_defaults = {**default_selection(), "exact_first_chunk": True, "ratio": r}
+    first_chunk_defaults = {**default_selection(), **FIRST, "ratio": r}
     if which == "neighbour_count":  # one run per --precompute-neighbours (the caches differ)
-        return out + [
-            Variant("reuse, exact first chunk", "reuse", {"exact_first_chunk": True}),
-            Variant("defaults, exact first chunk r=0.15", "blend", first_chunk_defaults),
-        ]
+        return out + [REUSE_FIRST, first_chunk_blend(r)]
     if which == "layers":  # a per-layer budget: more check layers at about the same cost
         schedules = {
             "(1,10) 1.5/1.0": ((1, 10), (1.5, 1.0)),  # the defaults
@@ -250,6 +234,15 @@ def variants(which: str) -> list[Variant]:
         ),
     ]
     return out
+
+
+def first_chunk_blend(ratio: float) -> Variant:
+    """Blend at ``ratio`` with the default selection and the first chunk's exact entry."""
+    return Variant(
+        f"defaults, exact first chunk r={ratio}",
+        "blend",
+        {**default_selection(), **FIRST, "ratio": ratio},
+    )
 
 
 def default_selection() -> dict:
