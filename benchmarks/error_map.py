@@ -16,7 +16,13 @@ For each question the chunks are precomputed after their neighbours (the engine'
    Every layer-1 K/V is recomputed in every run (that is what a check at layer 1 needs), so
    ``layer-1 only`` (an empty group) is the floor the groups start from.
 
-Writes ``OUT/error_map.{json,md,png}`` (after every question; the plot at the end).
+``--exact-first-chunk`` serves the prompt's first chunk from its exact entry (today's default,
+``BlendConfig.exact_first_chunk``): its rows are then exact, never recomputed and left out of
+every group, the budget base and the maps; without it (the first map) every chunk is served
+from its neighbour cache.
+
+Writes ``OUT/NAME.{json,md,png}`` (``--name``, default ``error_map``; after every question; the
+plot at the end).
 
     python benchmarks/error_map.py --dataset ../shared/data/musique_dev.json \\
         --offset 0 --limit 12 --out benchmarks/results/amd-avx2
@@ -53,9 +59,10 @@ class FixedRows:
         return self.values[check.rows]
 
 
-def row_layout(prompt, neighbours_of) -> dict[str, torch.Tensor]:
+def row_layout(prompt, neighbours_of, exact_first: bool = False) -> dict[str, torch.Tensor]:
     """Per prompt row: chunk index (-1 off chunks), offset in the chunk, place bin (-1 off
-    chunks) and whether the chunk's predecessor in the prompt is one of its neighbours."""
+    chunks) and whether the chunk's predecessor in the prompt is one of its neighbours.
+    ``exact_first``: the first chunk's rows are exact, so off chunks too."""
     n = len(prompt.ids)
     chunk = torch.full((n,), -1)
     offset = torch.zeros(n, dtype=torch.long)
@@ -65,6 +72,9 @@ def row_layout(prompt, neighbours_of) -> dict[str, torch.Tensor]:
     for i, ids in enumerate(prompt.chunks):
         start += len(prompt.separator) if i else 0
         span = slice(start, start + len(ids))
+        if i == 0 and exact_first:
+            start += len(ids)
+            continue
         chunk[span] = i
         offsets = torch.arange(len(ids))
         offset[span] = offsets
@@ -126,6 +136,8 @@ def measure(engine: BlendEngine, case, max_new_tokens: int, ratio: float) -> dic
     """One question: the deviation by group and what each group's recompute buys."""
     engine.precompute(case.chunks)
     prompt = engine.tokenize(case.question, case.chunks)
+    segments, _ = engine.chunks.lookup(prompt)
+    exact_first = any(s.kind == "chunk" and s.exact for s in segments)
     full = engine.prefill(prompt, "full")
     answer = engine.greedy_answer(full, max_new_tokens)
     ref = engine.teacher_forced_logits(full, answer)
@@ -135,7 +147,7 @@ def measure(engine: BlendEngine, case, max_new_tokens: int, ratio: float) -> dic
     def neighbours_of(text: str) -> list[str]:
         return source.neighbours(text, n_neigh, engine.config.namespace) if source else []
 
-    layout = row_layout(prompt, neighbours_of)
+    layout = row_layout(prompt, neighbours_of, exact_first)
     on = layout["chunk"] >= 0
     record: dict = {"chunk_rows": int(on.sum())}
 
@@ -288,6 +300,13 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--precompute-context", default=None, help="default: the engine's")
+    ap.add_argument(
+        "--exact-first-chunk",
+        action="store_true",
+        help="serve the first chunk from its exact entry (the engine's default; off: every "
+        "chunk from its neighbour cache, as the first map)",
+    )
+    ap.add_argument("--name", default="error_map", help="stem of the output files")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="auto")
     add_decode_activations_argument(ap)
@@ -295,8 +314,8 @@ def main() -> None:
     args = ap.parse_args()
 
     overrides = {"precompute_context": args.precompute_context} if args.precompute_context else {}
-    # the neighbour caches' own error: no chunk served from an exact first-chunk entry
-    overrides["exact_first_chunk"] = False
+    # without --exact-first-chunk, the neighbour caches' own error: every chunk from its cache
+    overrides["exact_first_chunk"] = args.exact_first_chunk
     overrides["decode_activations"] = args.decode_activations
     engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, **overrides)
     engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
@@ -311,12 +330,12 @@ def main() -> None:
         records.append(measure(engine, case, args.max_new_tokens, engine.config.ratio))
         summary = summarize(records)
         summary["settings"] = {**vars(args), "config": repr(engine.config)}
-        (out / "error_map.json").write_text(
+        (out / f"{args.name}.json").write_text(
             json.dumps({"summary": summary, "per_question": records}, indent=2)
         )
-        (out / "error_map.md").write_text(markdown(summary))
+        (out / f"{args.name}.md").write_text(markdown(summary))
         print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
-    plot(summary, out / "error_map.png")
+    plot(summary, out / f"{args.name}.png")
     print(markdown(summary))
 
 
