@@ -36,11 +36,13 @@ from ragblend.prompt import (
     encode,
     tokenize_prompt,
 )
+from ragblend.store import basis as bases
 from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.chunk_texts import ChunkTexts
 from ragblend.store.keys import chunk_key, ids_digest
 from ragblend.store.memory import MemoryStore
-from ragblend.store.quant import dtype_name, pack
+from ragblend.store.quant import dtype_name, needs_basis, pack
+from ragblend.store.transform import Basis
 from ragblend.threads import core_free_for_a_reader
 
 # the neighbours' isolated KV one ChunkCache keeps while precomputing (neighbour_rows="reused")
@@ -69,6 +71,7 @@ class ChunkCache:
         self._texts_store: KVStore | None = None
         self._separator_ids: list[int] | None = None
         self._isolated: MemoryStore | None = None
+        self._basis: Basis | None = None
         # where a neighbour context finds a chunk's neighbours (BlendEngine.neighbours)
         self.neighbours: NeighbourSource | None = None
 
@@ -109,13 +112,25 @@ class ChunkCache:
             return list(head) + self._filler_ids
         return []
 
-    def key(self, *, context_ids: Sequence[int], chunk_ids: Sequence[int], tag: str = "") -> str:
+    def key(
+        self,
+        *,
+        context_ids: Sequence[int],
+        chunk_ids: Sequence[int],
+        tag: str = "",
+        coded: bool = True,
+    ) -> str:
         """The store key of ``chunk_ids`` precomputed after ``context_ids`` (``tag``: see
-        :func:`ragblend.store.keys.chunk_key`)."""
+        :func:`ragblend.store.keys.chunk_key`). A transform coder's chunk keys name the basis
+        they are coded with (``coded``; none loaded: a key no entry has); ``coded=False`` for
+        what is not stored in ``kv_dtype`` (prefix entries, the text scope)."""
+        kv_dtype = self.kv_dtype
+        if coded and needs_basis(kv_dtype):
+            kv_dtype += f"@{self._basis.id if self._basis is not None else 'none'}"
         return chunk_key(
             fingerprint=self.fingerprint,
             dtype=self.layers.dtype,
-            kv_dtype=self.kv_dtype,
+            kv_dtype=kv_dtype,
             namespace=self.config.namespace,
             context_ids=context_ids,
             chunk_ids=chunk_ids,
@@ -123,7 +138,64 @@ class ChunkCache:
         )
 
     def prefix_key(self, head: Sequence[int]) -> str:
-        return self.key(context_ids=[], chunk_ids=head)
+        return self.key(context_ids=[], chunk_ids=head, coded=False)
+
+    # ------------------------------------------------------------------ calibration basis
+    @property
+    def basis_key(self) -> str:
+        """Where the transform coder's basis for this model, dtype and namespace is stored."""
+        return chunk_key(
+            fingerprint=self.fingerprint,
+            dtype=self.layers.dtype,
+            kv_dtype="float32",
+            namespace=self.config.namespace,
+            context_ids=[],
+            chunk_ids=[],
+            tag=bases.KIND,
+        )
+
+    def load_basis(self, create: bool = False) -> Basis | None:
+        """The transform coder's basis (``kv_dtype`` ``pca<bits>``; else None): the one in use,
+        else the store's, else (``create``) calibrated now from the calibration passages and
+        stored. A stored basis that fails to read or verify is dropped (and, with ``create``,
+        calibrated again)."""
+        if not needs_basis(self.kv_dtype):
+            return None
+        if self._basis is None:
+            self._basis = self._stored_basis()
+        if self._basis is None and create:
+            self.store.put(self.basis_key, bases.as_entry(self._calibrate(), self._meta()))
+            # read back: where two processes calibrated at once, every engine uses the winner
+            self._basis = self._stored_basis()
+            if self._basis is None:
+                raise RagblendError("the store did not keep the calibration basis")
+        return self._basis
+
+    def _stored_basis(self) -> Basis | None:
+        lay = self.layers
+        entry = self.store.get(self.basis_key)
+        if entry is None:
+            return None
+        found = bases.from_entry(entry, (lay.num_layers, lay.num_kv_heads, lay.head_dim))
+        if found is None:
+            self.store.discard(self.basis_key)
+            return None
+        return bases.register(found)
+
+    def _calibrate(self) -> Basis:
+        head = self.head(CANONICAL_FORMAT)
+        kvs = [
+            self.compute_kv(encode(self.tokenizer, text)[: bases.CALIBRATION_TOKENS], head)
+            for text in bases.calibration_texts()
+        ]
+        return bases.calibrate_from(kvs)
+
+    def _meta(self) -> dict:
+        return {"fingerprint": self.fingerprint, "dtype": str(self.layers.dtype)}
+
+    def pack(self, kv: ChunkKV) -> KVEntry:
+        """``kv`` as stored in ``kv_dtype`` (a transform coder calibrates its basis first)."""
+        return pack(kv, self.kv_dtype, self.load_basis(create=True))
 
     # ------------------------------------------------------------------ neighbours
     @property
@@ -182,7 +254,7 @@ class ChunkCache:
         key = self.key(context_ids=context_ids, chunk_ids=ids, tag="isolated")
         kv = self.isolated.get(key)
         if kv is None:
-            kv = pack(self.compute_kv(ids, context_ids, between_layers, (), prefix), self.kv_dtype)
+            kv = self.pack(self.compute_kv(ids, context_ids, between_layers, (), prefix))
             self.isolated.put(key, kv)
         return kv
 
@@ -199,7 +271,7 @@ class ChunkCache:
     @property
     def text_scope(self) -> str:
         """What chunk texts are grouped by in the store: model, dtypes and namespace."""
-        return self.key(context_ids=[], chunk_ids=[])
+        return self.key(context_ids=[], chunk_ids=[], coded=False)
 
     @property
     def texts(self) -> ChunkTexts:
@@ -278,10 +350,9 @@ class ChunkCache:
         k = torch.stack([k[0, :, k.shape[2] - len(ids) :] for k in capture.keys]).contiguous()
         v = torch.stack([v[0, :, context_len:] for v in out.values]).contiguous()
         meta = {
-            "fingerprint": self.fingerprint,
-            "dtype": str(self.layers.dtype),
+            **self._meta(),
             "tokens": len(ids),
-            "context": self.key(context_ids=context_ids, chunk_ids=[])[:16],
+            "context": self.key(context_ids=context_ids, chunk_ids=[], coded=False)[:16],
         }
         if neighbours:  # a string: every tier keeps scalar meta (see Segment.fits)
             meta["neighbours"] = ",".join(ids_digest(n) for n in neighbours)
@@ -313,6 +384,7 @@ class ChunkCache:
         """Precompute one tokenised chunk for prompts with ``head``; False if already stored.
         ``between_layers`` and ``neighbours`` (token ids of each): see ``compute_kv``. With
         ``exact_first_chunk``, also the chunk as a prompt's first chunk (after ``head``)."""
+        self.load_basis(create=True)  # chunk keys name a transform coder's basis
         context_ids = self.context_ids(head)
         entries = [(context_ids, neighbours)]
         if self.config.exact_first_chunk and context_ids != list(head):
@@ -327,7 +399,7 @@ class ChunkCache:
                 kv = self.compute_kv(*args)
             except CorruptEntryError:  # the stored prefix was damaged and dropped: recompute it
                 kv = self.compute_kv(*args)
-            self.store.put(key, pack(kv, self.kv_dtype))
+            self.store.put(key, self.pack(kv))
             stored = True
         return stored
 
@@ -359,13 +431,16 @@ class ChunkCache:
         return stored
 
     def is_cached(self, text: str, head: list[int]) -> bool:
+        self.load_basis()
         ids = encode(self.tokenizer, text)
         return self.key(context_ids=self.context_ids(head), chunk_ids=ids) in self.store
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, prompt: TokenizedPrompt) -> tuple[list[Segment], list[int]]:
         """The prompt as fusor segments (head exact, chunks with their stored KV or none,
-        separators and tail uncached) and the indices of the chunks that missed."""
+        separators and tail uncached) and the indices of the chunks that missed (every chunk
+        while a transform coder's basis is neither loaded nor stored)."""
+        self.load_basis()
         context_ids = self.context_ids(prompt.head)
         segments = [self.prefix_segment(prompt.head)]
         missing = []

@@ -13,7 +13,20 @@ from ragblend.models.gguf import Weights, check_weights
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
-KV_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "int8")
+# storage dtypes and codecs of chunk KV; ``pca<bits>`` names the transform coder at any budget
+# of 0 < bits <= 8 a value (these are the ones measured: docs/stores.md)
+KV_DTYPES: tuple[str, ...] = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "int8",
+    "int4",
+    "int2",
+    "pca4",
+    "pca2",
+    "pca1",
+)
 DecodeActivations = Literal["auto", "float", "int8"]
 DECODE_ACTIVATIONS: tuple[str, ...] = get_args(DecodeActivations)
 KvCacheDtype = Literal["auto", "int8"]
@@ -70,9 +83,13 @@ class BlendConfig:
         HF directories load as they are.
     namespace: tenant salt mixed into every chunk and prefix key (``None``: no tenant). Set by
         the server side that builds the engine; tenants never hit each other's entries.
-    kv_dtype: storage dtype of chunk KV, independent of the compute dtype: ``"auto"`` (the
-        compute dtype), ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"int8"``. Part of
-        every key, so an entry never serves a request expecting another storage dtype.
+    kv_dtype: storage dtype or codec of chunk KV, independent of the compute dtype: ``"auto"``
+        (the compute dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` (8-bit,
+        a scale per channel or token), ``"int4"``/``"int2"`` (group-wise codes, a scale per 64
+        values, ``ragblend.store.groupwise``) or ``"pca<bits>"`` such as ``"pca2"`` (a
+        transform coder at ``bits`` a value over a basis calibrated once per model and kept in
+        the store, ``ragblend.store.transform``). Part of every key, so an entry never serves
+        a request expecting another. Bytes and fidelity of each: docs/stores.md.
     precompute_context: what each chunk is prefilled after when its KV is precomputed:
         ``"prefix"`` (the prompt head: template + system prompt), ``"canonical"`` (the chat
         template's head with a fixed neutral system prompt: hits under any template),
@@ -216,10 +233,7 @@ class BlendConfig:
         if self.deviation not in ("k", "v", "kv"):
             raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
         check_selection_options(self)
-        if self.kv_dtype not in KV_DTYPES:
-            raise RagblendError(
-                f"unknown kv_dtype {self.kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}"
-            )
+        check_kv_dtype(self.kv_dtype)
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
         check_row_attention(self.row_attention)
@@ -261,6 +275,29 @@ class BlendConfig:
         """(check layer, fraction of cached tokens kept) pairs for a final ``ratio``."""
         scales = self.check_scales or (1.0,) * len(self.check_layers)
         return [(layer, min(1.0, ratio * s)) for layer, s in zip(self.check_layers, scales)]
+
+
+def check_kv_dtype(kv_dtype: object) -> str:
+    """``kv_dtype`` if it names a storage dtype or codec of chunk KV (or ``"auto"``), else a
+    RagblendError naming them."""
+    from ragblend.store.transform import pca_bits
+
+    if kv_dtype in KV_DTYPES or (isinstance(kv_dtype, str) and pca_bits(kv_dtype) is not None):
+        return str(kv_dtype)
+    raise RagblendError(
+        f"unknown kv_dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)} or "
+        "pca<bits> (0 < bits <= 8, e.g. pca1.5)"
+    )
+
+
+def kv_dtype_argument(value: str) -> str:
+    """``--kv-dtype``'s argparse type: the name, or argparse's usage error naming the choices."""
+    import argparse
+
+    try:
+        return check_kv_dtype(value)
+    except RagblendError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def check_mode(mode: str) -> str:

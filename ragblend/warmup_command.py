@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ragblend.config import kv_dtype_argument
 from ragblend.errors import RagblendError
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
@@ -50,6 +51,14 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto / float32 / bfloat16 / float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--kv-dtype",
+        type=kv_dtype_argument,
+        default=None,
+        metavar="D",
+        help="storage dtype or codec of chunk KV: auto (default), float32, bfloat16, float16, "
+        "int8, int4, int2 or pca<bits> (e.g. pca2); the server must name the same",
+    )
     p.add_argument(
         "--precompute-context",
         choices=("canonical", "neighbours", "previous"),
@@ -151,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray and not args.redis_url:
         raise RagblendError("--ray writes into the shared tier: give --redis-url too")
     config = {"device": args.device, "dtype": args.dtype}
+    if args.kv_dtype:
+        config["kv_dtype"] = args.kv_dtype
     if args.namespace:
         config["namespace"] = args.namespace
     # Ray actors get no neighbour source: by default they precompute chunks alone

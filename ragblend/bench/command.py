@@ -16,6 +16,7 @@ from ragblend.config import (
     NEIGHBOUR_CONTEXTS,
     PRECOMPUTE_CONTEXTS,
     BlendConfig,
+    kv_dtype_argument,
 )
 from ragblend.fusion.cpu.native import ROW_ATTENTION
 from ragblend.models.gguf import WEIGHTS
@@ -72,9 +73,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=KV_DTYPES,
+        type=kv_dtype_argument,
         default=None,
-        help=f"storage dtype of chunk KV (default: engine default {defaults.kv_dtype})",
+        metavar="D",
+        help=f"storage dtype or codec of chunk KV: {', '.join(KV_DTYPES)} or pca<bits> "
+        f"(default: engine default {defaults.kv_dtype})",
     )
     p.add_argument(
         "--kv-cache-dtype",

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
+from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES, kv_dtype_argument
 from ragblend.errors import RagblendError
 from ragblend.fusion.cuda.layer_ops import LAYER_KERNELS
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
@@ -51,6 +51,14 @@ def add_parser(sub) -> None:
         help="a GGUF's quantized tensors: auto (kept as blocks) or dequantize",
     )
     p.add_argument("--device", metavar="D", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--kv-dtype",
+        metavar="D",
+        type=kv_dtype_argument,
+        default="auto",
+        help="storage dtype or codec of chunk KV, as `ragblend warmup` wrote them: auto "
+        "(default), float32, bfloat16, float16, int8, int4, int2 or pca<bits>",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         metavar="T",
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         weights=args.weights,
         namespace=args.namespace,
+        kv_dtype=args.kv_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         decode_activations=args.decode_activations,
         layer_kernels=args.layer_kernels,

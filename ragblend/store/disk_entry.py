@@ -69,7 +69,7 @@ class DiskChunkKV:
         """K and V of one layer in the compute dtype, [kv_heads, tokens, head_dim]."""
         if self._full is not None:
             return self._full.layer(index)
-        return decode_layer(self.meta, self.stored_layer(index))
+        return decode_layer(self.meta, self.stored_layer(index), index)
 
     def materialize(self) -> ChunkKV:
         """Every layer read, verified and decoded into one ChunkKV (cached on this object)."""

@@ -73,7 +73,7 @@ class PromotedKV:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer in the compute dtype, [kv_heads, tokens, head_dim]."""
-        return decode_layer(self.meta, self.stored_layer(index))
+        return decode_layer(self.meta, self.stored_layer(index), index)
 
     def _promote(self) -> None:
         layers = [self._stored[i] for i in range(self.num_layers)]

@@ -11,6 +11,11 @@ with float32 scales, as KIVI/KVQuant recommend for pre-RoPE keys and values:
 - keys per channel: ``k ≈ k_q * k_scale``, ``k_scale`` [kv_heads, 1, head_dim] (one scale per
   head and channel over the chunk's tokens — key outliers live in fixed channels);
 - values per token: ``v ≈ v_q * v_scale``, ``v_scale`` [kv_heads, tokens, 1].
+
+``int4`` and ``int2`` are group-wise codes (``ragblend.store.groupwise``); ``pca<bits>`` (e.g.
+``pca2``: 2 bits a value) the transform coder (``ragblend.store.transform``), whose entries
+name the model's calibration basis (``meta["basis"]``, ``ragblend.store.basis``) and decode
+only where that basis is loaded.
 """
 
 from __future__ import annotations
@@ -19,17 +24,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragblend.errors import RagblendError
+from ragblend.errors import CorruptEntryError, RagblendError
+from ragblend.store import basis as bases
+from ragblend.store import groupwise, transform
 from ragblend.store.base import ChunkKV, KVEntry
 
 FLOAT_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANT_KV_DTYPES = ("int8",)
-STORAGE_KV_DTYPES = (*FLOAT_KV_DTYPES, *QUANT_KV_DTYPES)
+QUANT_KV_DTYPES = ("int8", *groupwise.GROUPWISE_BITS)
+STORAGE_KV_DTYPES = (*FLOAT_KV_DTYPES, *QUANT_KV_DTYPES, "pca<bits>")
 _INT8_MAX = 127.0
 
 
-def pack(kv: ChunkKV, kv_dtype: str) -> KVEntry:
-    """``kv`` (compute dtype) as stored in ``kv_dtype``; ``meta["kv_dtype"]`` records it."""
+def is_storage_kv_dtype(name: str) -> bool:
+    """Whether ``name`` is a storage dtype or codec chunk KV can be stored in."""
+    return name in FLOAT_KV_DTYPES or name in QUANT_KV_DTYPES or needs_basis(name)
+
+
+def needs_basis(kv_dtype: str) -> bool:
+    """Whether ``kv_dtype`` is a transform coder (its entries need the model's basis)."""
+    return transform.pca_bits(kv_dtype) is not None
+
+
+def pack(kv: ChunkKV, kv_dtype: str, basis: transform.Basis | None = None) -> KVEntry:
+    """``kv`` (compute dtype) as stored in ``kv_dtype``; ``meta["kv_dtype"]`` records it
+    (``basis``: the model's, for a ``pca<bits>`` codec; ``meta["basis"]`` records its id)."""
     meta = {**kv.meta, "kv_dtype": kv_dtype, "compute_dtype": dtype_name(kv.k.dtype)}
     if kv_dtype in FLOAT_KV_DTYPES:
         dtype = FLOAT_KV_DTYPES[kv_dtype]
@@ -39,10 +57,31 @@ def pack(kv: ChunkKV, kv_dtype: str) -> KVEntry:
         v_q, v_scale = quantize_int8(kv.v, dim=-1)  # per token: reduce over channels
         tensors = {"k": k_q, "k_scale": k_scale, "v": v_q, "v_scale": v_scale}
         return QuantizedKV(tensors=tensors, meta=meta)
+    if kv_dtype in groupwise.GROUPWISE_BITS:
+        tensors = groupwise.encode(kv.k, kv.v, groupwise.GROUPWISE_BITS[kv_dtype])
+        return QuantizedKV(tensors=tensors, meta=meta)
+    bits = transform.pca_bits(kv_dtype)
+    if bits is not None:
+        if basis is None:
+            raise RagblendError(f"kv_dtype {kv_dtype!r} needs the model's calibration basis")
+        if basis.shape != (kv.num_layers, int(kv.k.shape[1]), int(kv.k.shape[3])):
+            raise RagblendError(f"basis of shape {basis.shape} does not fit this KV")
+        return QuantizedKV(tensors=_pca_encode(kv, basis, bits), meta={**meta, "basis": basis.id})
     raise RagblendError(
         f"kv_dtype {kv_dtype!r} is not supported for storage; expected one of "
         f"{', '.join(STORAGE_KV_DTYPES)}"
     )
+
+
+def _pca_encode(kv: ChunkKV, basis: transform.Basis, bits: float) -> dict[str, torch.Tensor]:
+    """Every layer's transform codes, stacked over layers."""
+    layers: dict[str, list[torch.Tensor]] = {"k": [], "k_stats": [], "v": [], "v_stats": []}
+    for i in range(kv.num_layers):
+        for name, x, rotation in (("k", kv.k[i], basis.k[i]), ("v", kv.v[i], basis.v[i])):
+            coded = transform.encode_tensor(x.to("cpu"), rotation, bits)
+            layers[name].append(coded["codes"])
+            layers[f"{name}_stats"].append(coded["stats"])
+    return {name: torch.stack(ts).contiguous() for name, ts in layers.items()}
 
 
 def quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +96,20 @@ def quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
     return codes.contiguous(), scale.contiguous()
 
 
-def decode_layer(meta: dict, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compute-dtype K and V of one layer, [kv_heads, tokens, head_dim], from what
-    ``stored_layer`` stored (``{"k", "v"}``, plus ``k_scale``/``v_scale`` for int8)."""
+def decode_layer(
+    meta: dict, tensors: dict[str, torch.Tensor], index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute-dtype K and V of layer ``index``, [kv_heads, tokens, head_dim], from what
+    ``stored_layer(index)`` stored (``{"k", "v"}``, plus scales or statistics for a code)."""
     compute = FLOAT_KV_DTYPES.get(meta.get("compute_dtype", ""))
+    kv_dtype = str(meta.get("kv_dtype", ""))
+    if kv_dtype in groupwise.GROUPWISE_BITS:
+        return groupwise.decode(
+            tensors, groupwise.GROUPWISE_BITS[kv_dtype], compute or torch.float32
+        )
+    bits = transform.pca_bits(kv_dtype)
+    if bits is not None:
+        return _pca_decode(meta, tensors, index, bits, compute or torch.float32)
     if "k_scale" in tensors:
         dtype = compute or torch.float32
         k = (tensors["k"].float() * tensors["k_scale"]).to(dtype)
@@ -68,6 +117,17 @@ def decode_layer(meta: dict, tensors: dict[str, torch.Tensor]) -> tuple[torch.Te
         return k, v
     dtype = compute or tensors["k"].dtype
     return tensors["k"].to(dtype), tensors["v"].to(dtype)
+
+
+def _pca_decode(
+    meta: dict, tensors: dict[str, torch.Tensor], index: int, bits: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    basis = bases.loaded(str(meta.get("basis", "")))
+    if basis is None:  # the ChunkCache loads it before looking entries up: this is a foreign entry
+        raise CorruptEntryError(str(meta.get("key", "")), "its calibration basis is not loaded")
+    k = transform.decode_tensor(tensors["k"], tensors["k_stats"], basis.k[index], bits)
+    v = transform.decode_tensor(tensors["v"], tensors["v_stats"], basis.v[index], bits)
+    return k.to(dtype), v.to(dtype)
 
 
 def from_stored(meta: dict, stacked: dict[str, torch.Tensor]) -> ChunkKV | QuantizedKV:
@@ -89,6 +149,12 @@ def kv_bytes_per_token(
     if kv_dtype == "int8":
         scales = layers * kv_heads * (4 + 4 * head_dim / max(1, chunk_tokens))
         return values + scales
+    if kv_dtype in groupwise.GROUPWISE_BITS:
+        bits = groupwise.GROUPWISE_BITS[kv_dtype]
+        return groupwise.bytes_per_token(bits, layers, kv_heads, head_dim, chunk_tokens)
+    pca = transform.pca_bits(kv_dtype)
+    if pca is not None:
+        return transform.bytes_per_token(pca, layers, kv_heads, head_dim, chunk_tokens)
     raise RagblendError(f"kv_dtype {kv_dtype!r} is not supported for storage")
 
 
@@ -125,7 +191,7 @@ class QuantizedKV:
         return {name: t[index] for name, t in self.tensors.items()}
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return decode_layer(self.meta, self.stored_layer(index))
+        return decode_layer(self.meta, self.stored_layer(index), index)
 
     def materialize(self) -> ChunkKV:
         layers = [self.layer(i) for i in range(self.num_layers)]

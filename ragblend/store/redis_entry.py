@@ -132,7 +132,7 @@ class RedisEntry:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute-dtype K and V of one layer, [kv_heads, tokens, head_dim]."""
-        return decode_layer(self.meta, self.stored_layer(index))
+        return decode_layer(self.meta, self.stored_layer(index), index)
 
     def materialize(self) -> ChunkKV:
         layers = [self.layer(i) for i in range(self.num_layers)]

@@ -1,0 +1,100 @@
+"""Group-wise low-bit codes of chunk KV (KIVI's layout): ``int4`` and ``int2``.
+
+Asymmetric codes with one float16 scale and minimum per group of :data:`GROUP` values:
+
+- keys per channel, grouped along tokens: a scale per (head, channel, 64 tokens), so an outlier
+  token moves the scale of its group only, not of the chunk's 512 tokens;
+- values per token, grouped along channels: a scale per (head, token, 64 channels).
+
+``x ≈ min + code * scale`` with ``code`` in ``[0, 2**bits - 1]`` (rounded to nearest), within
+``scale / 2`` of ``x`` per element. Codes are packed ``8 // bits`` to a byte along the head
+dimension. Stored tensors per layer: ``k``/``v`` uint8 [kv_heads, tokens, head_dim * bits / 8],
+``k_scale``/``k_min`` float16 [kv_heads, ceil(tokens / 64), head_dim], ``v_scale``/``v_min``
+float16 [kv_heads, tokens, ceil(head_dim / 64)]. Bytes per value: ``bits / 8`` plus 4 bytes of
+scale and minimum per 64 values (``int4``: 4.5 bits a value, 0.28 of bfloat16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 64
+GROUPWISE_BITS = {"int4": 4, "int2": 2}
+
+
+def encode(k: torch.Tensor, v: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """Codes of K and V [..., kv_heads, tokens, head_dim] (any float dtype; leading dims such
+    as layers kept) as the stored tensors named in the module docstring."""
+    if k.shape[-1] % (8 // bits):
+        raise ValueError(f"head_dim {k.shape[-1]} is not a multiple of {8 // bits}")
+    kq, kscale, kmin = _quantize(k.float().transpose(-1, -2), bits)  # channels, tokens-groups
+    vq, vscale, vmin = _quantize(v.float(), bits)  # tokens, channel groups
+    return {
+        "k": _pack(kq.transpose(-1, -2), bits),
+        "k_scale": kscale.transpose(-1, -2).contiguous(),
+        "k_min": kmin.transpose(-1, -2).contiguous(),
+        "v": _pack(vq, bits),
+        "v_scale": vscale,
+        "v_min": vmin,
+    }
+
+
+def decode(
+    tensors: dict[str, torch.Tensor], bits: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [..., kv_heads, tokens, head_dim] in ``dtype`` from :func:`encode`'s tensors."""
+    kq = _unpack(tensors["k"], bits).transpose(-1, -2)
+    k = _dequantize(kq, tensors["k_scale"].transpose(-1, -2), tensors["k_min"].transpose(-1, -2))
+    v = _dequantize(_unpack(tensors["v"], bits), tensors["v_scale"], tensors["v_min"])
+    return k.transpose(-1, -2).to(dtype), v.to(dtype)
+
+
+def bytes_per_token(bits: int, layers: int, kv_heads: int, head_dim: int, tokens: int) -> float:
+    """Stored bytes per token of a ``tokens``-token chunk (scales and minimums included)."""
+    groups = -(-tokens // GROUP)
+    codes = 2 * head_dim * bits / 8
+    k_side = 4 * groups * head_dim / max(1, tokens)  # fp16 scale + min per channel group
+    v_side = 4 * -(-head_dim // GROUP)
+    return layers * kv_heads * (codes + k_side + v_side)
+
+
+def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` [..., rows, n] grouped by :data:`GROUP` along the last dim: (uint8 codes
+    like ``x``, float16 scale and minimum [..., rows, ceil(n / GROUP)])."""
+    n = x.shape[-1]
+    groups = -(-n // GROUP)
+    pad = groups * GROUP - n  # the last group filled with its last value (no effect on range)
+    padded = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1) if pad else x
+    g = padded.reshape(*x.shape[:-1], groups, GROUP)
+    lo = g.amin(-1).to(torch.float16)
+    hi = g.amax(-1)
+    top = (1 << bits) - 1
+    scale = ((hi - lo.float()) / top).clamp_min(1e-8).to(torch.float16)
+    codes = torch.round((g - lo.float().unsqueeze(-1)) / scale.float().unsqueeze(-1))
+    codes = codes.clamp_(0, top).to(torch.uint8).reshape(*x.shape[:-1], groups * GROUP)
+    return codes[..., :n].contiguous(), scale, lo
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    n = codes.shape[-1]
+    spread = torch.repeat_interleave(scale.float(), GROUP, dim=-1)[..., :n]
+    base = torch.repeat_interleave(lo.float(), GROUP, dim=-1)[..., :n]
+    return codes.float() * spread + base
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``8 // bits`` codes to a byte along the last dim (first code in the low bits)."""
+    per = 8 // bits
+    n = codes.shape[-1]
+    if n % per:
+        codes = torch.nn.functional.pad(codes, (0, per - n % per))
+    c = codes.reshape(*codes.shape[:-1], -1, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8).contiguous()
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
