@@ -29,13 +29,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ragblend.private import private_dir, private_temp_file
+from ragblend.store.quant import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from ragblend.models.adapters import LayerwiseModel
@@ -182,6 +183,13 @@ class LoadingController:
             refresh=refresh,
             blend=lambda: measure_blend(engine),
         )
+        # loading reads the entries as the codec stores them (the profile keeps the float
+        # bytes it was measured with; chunks of 512 tokens set the scales' share)
+        lay = engine.layers
+        stored = kv_bytes_per_token(
+            engine.kv_dtype, lay.num_layers, lay.num_kv_heads, lay.head_dim, 512
+        )
+        profile = replace(profile, bytes_per_token=int(round(stored)))
         return cls(profile, tier=tier, r_star=r_star)
 
 

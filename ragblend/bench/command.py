@@ -24,6 +24,7 @@ from ragblend.models.quantized import quantized_weights, weight_bytes
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
 if TYPE_CHECKING:
+    from ragblend.engine import BlendEngine
     from ragblend.store.base import KVStore
     from ragblend.store.disk import DiskStore
     from ragblend.store.redis import RedisStore
@@ -134,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.bench.plots import plot_ttft_vs_quality
     from ragblend.engine import BlendEngine
     from ragblend.errors import RagblendError
-    from ragblend.store.quant import kv_bytes_per_token
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     peer = "llamacpp" in modes  # optional llama.cpp baseline (ragblend.bench.llamacpp)
@@ -231,13 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_dtype": engine.kv_dtype,
         "kv_cache_dtype": config.kv_cache_dtype,
         "decode_activations": engine.decode_activations,
-        "kv_bytes_per_token": kv_bytes_per_token(
-            engine.kv_dtype,
-            engine.layers.num_layers,
-            engine.layers.num_kv_heads,
-            engine.layers.head_dim,
-            args.chunk_tokens,
-        ),
+        **stored_sizes(engine, cases),
         "namespace": args.namespace,
         "n": len(cases),
         "repeats": args.repeats,
@@ -253,6 +247,29 @@ def run(args: argparse.Namespace) -> int:
     print_table(results)
     print(f"wrote {out / 'results.json'} and {out / 'ttft_vs_quality.png'}")
     return 0
+
+
+def stored_sizes(engine: BlendEngine, cases) -> dict:
+    """``kv_bytes_per_token``: bytes the cases' stored chunk entries take per token (the entry
+    a prompt reads for each chunk, scales or statistics included); ``stored_bytes_per_chunk_token``:
+    every entry stored per chunk (with the first chunk's exact entry where there is one),
+    per chunk token. Formula values (``ragblend.store.quant.kv_bytes_per_token``) where no
+    entry is stored (a run of ``full`` alone)."""
+    from ragblend.store.quant import kv_bytes_per_token
+
+    entry = every = tokens = 0
+    for case in cases:
+        prompt = engine.tokenize(case.question, case.chunks)
+        for got in engine.chunks.stored_entries(prompt):
+            entry += got[0].nbytes
+            every += sum(e.nbytes for e in got)
+            tokens += got[0].num_tokens
+    if not tokens:
+        lay = engine.layers
+        shape = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        bpt = kv_bytes_per_token(engine.kv_dtype, *shape, 512)
+        return {"kv_bytes_per_token": bpt, "stored_bytes_per_chunk_token": None}
+    return {"kv_bytes_per_token": entry / tokens, "stored_bytes_per_chunk_token": every / tokens}
 
 
 def print_table(results: dict) -> None:

@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
         ("gc", "drop corrupt/foreign entries, orphan and stale temp files; evict to --max-bytes"),
     ):
         c = cmds.add_parser(name, help=text, description=text)
+        c.set_defaults(func=run)
         add_store_arguments(c, namespace_help="with --redis-url: one tenant's keys")
         c.add_argument("--json", action="store_true", help="print the report as JSON")
         if name == "verify":
@@ -45,7 +46,10 @@ def add_parser(sub) -> None:
                 default=3600.0,
                 help="leave unindexed/temp files younger than this many seconds",
             )
-    p.set_defaults(func=run)
+    from ragblend.store.plan import add_plan_parser, run_plan
+
+    add_plan_parser(cmds)
+    cmds.choices["plan"].set_defaults(func=run_plan)
 
 
 def run(args: argparse.Namespace) -> int:

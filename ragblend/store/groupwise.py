@@ -7,7 +7,8 @@ Asymmetric codes with one float16 scale and minimum per group of :data:`GROUP` v
 - values per token, grouped along channels: a scale per (head, token, 64 channels).
 
 ``x ≈ min + code * scale`` with ``code`` in ``[0, 2**bits - 1]`` (rounded to nearest), within
-``scale / 2`` of ``x`` per element. Codes are packed ``8 // bits`` to a byte along the head
+``scale / 2`` of ``x`` per element. ``int4``/``int2`` code keys and values with 4/2 bits,
+``k8v4`` keys with 8 and values with 4. Codes are packed ``8 // bits`` to a byte along the head
 dimension. Stored tensors per layer: ``k``/``v`` uint8 [kv_heads, tokens, head_dim * bits / 8],
 ``k_scale``/``k_min`` float16 [kv_heads, ceil(tokens / 64), head_dim], ``v_scale``/``v_min``
 float16 [kv_heads, tokens, ceil(head_dim / 64)]. Bytes per value: ``bits / 8`` plus 4 bytes of
@@ -19,40 +20,48 @@ from __future__ import annotations
 import torch
 
 GROUP = 64
-GROUPWISE_BITS = {"int4": 4, "int2": 2}
+# (key bits, value bits) per codec name: keys carry the attention scores' error through the
+# softmax, so ``k8v4`` spends 8 bits on them and 4 on values
+GROUPWISE_BITS: dict[str, tuple[int, int]] = {"int4": (4, 4), "int2": (2, 2), "k8v4": (8, 4)}
 
 
-def encode(k: torch.Tensor, v: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+def encode(k: torch.Tensor, v: torch.Tensor, bits: tuple[int, int]) -> dict[str, torch.Tensor]:
     """Codes of K and V [..., kv_heads, tokens, head_dim] (any float dtype; leading dims such
-    as layers kept) as the stored tensors named in the module docstring."""
-    if k.shape[-1] % (8 // bits):
-        raise ValueError(f"head_dim {k.shape[-1]} is not a multiple of {8 // bits}")
-    kq, kscale, kmin = _quantize(k.float().transpose(-1, -2), bits)  # channels, tokens-groups
-    vq, vscale, vmin = _quantize(v.float(), bits)  # tokens, channel groups
+    as layers kept) with ``bits`` (for K, for V) as the stored tensors named in the module
+    docstring."""
+    k_bits, v_bits = bits
+    if k.shape[-1] % (8 // min(bits)):
+        raise ValueError(f"head_dim {k.shape[-1]} is not a multiple of {8 // min(bits)}")
+    kq, kscale, kmin = _quantize(k.float().transpose(-1, -2), k_bits)  # channels, token groups
+    vq, vscale, vmin = _quantize(v.float(), v_bits)  # tokens, channel groups
     return {
-        "k": _pack(kq.transpose(-1, -2), bits),
+        "k": _pack(kq.transpose(-1, -2), k_bits),
         "k_scale": kscale.transpose(-1, -2).contiguous(),
         "k_min": kmin.transpose(-1, -2).contiguous(),
-        "v": _pack(vq, bits),
+        "v": _pack(vq, v_bits),
         "v_scale": vscale,
         "v_min": vmin,
     }
 
 
 def decode(
-    tensors: dict[str, torch.Tensor], bits: int, dtype: torch.dtype
+    tensors: dict[str, torch.Tensor], bits: tuple[int, int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [..., kv_heads, tokens, head_dim] in ``dtype`` from :func:`encode`'s tensors."""
-    kq = _unpack(tensors["k"], bits).transpose(-1, -2)
-    k = _dequantize(kq, tensors["k_scale"].transpose(-1, -2), tensors["k_min"].transpose(-1, -2))
-    v = _dequantize(_unpack(tensors["v"], bits), tensors["v_scale"], tensors["v_min"])
+    k_bits, v_bits = bits
+    kq = _unpack(tensors["k"], k_bits).transpose(-1, -2)  # [..., d, T]: a scale per GROUP tokens
+    k_scale, k_min = tensors["k_scale"].transpose(-1, -2), tensors["k_min"].transpose(-1, -2)
+    k = _dequantize(kq, k_scale, k_min)
+    v = _dequantize(_unpack(tensors["v"], v_bits), tensors["v_scale"], tensors["v_min"])
     return k.transpose(-1, -2).to(dtype), v.to(dtype)
 
 
-def bytes_per_token(bits: int, layers: int, kv_heads: int, head_dim: int, tokens: int) -> float:
+def bytes_per_token(
+    bits: tuple[int, int], layers: int, kv_heads: int, head_dim: int, tokens: int
+) -> float:
     """Stored bytes per token of a ``tokens``-token chunk (scales and minimums included)."""
     groups = -(-tokens // GROUP)
-    codes = 2 * head_dim * bits / 8
+    codes = head_dim * sum(bits) / 8
     k_side = 4 * groups * head_dim / max(1, tokens)  # fp16 scale + min per channel group
     v_side = 4 * -(-head_dim // GROUP)
     return layers * kv_heads * (codes + k_side + v_side)
@@ -76,10 +85,23 @@ def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``lo + codes * scale`` with one scale and minimum [..., rows, groups] per :data:`GROUP`
+    values of the last dim of ``codes`` [..., rows, n] (float32)."""
     n = codes.shape[-1]
-    spread = torch.repeat_interleave(scale.float(), GROUP, dim=-1)[..., :n]
-    base = torch.repeat_interleave(lo.float(), GROUP, dim=-1)[..., :n]
-    return codes.float() * spread + base
+    groups = scale.shape[-1]
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    full = min(groups, n // GROUP)
+    if full:
+        shape = (*codes.shape[:-1], full, GROUP)
+        src = codes[..., : full * GROUP].reshape(shape).float()
+        body = out[..., : full * GROUP].view(shape)  # splits the last dim: a view of ``out``
+        torch.addcmul(lo[..., :full, None].float(), src, scale[..., :full, None].float(), out=body)
+    if full < groups:  # the last, shorter group
+        tail = codes[..., full * GROUP :].float()
+        out[..., full * GROUP :] = torch.addcmul(
+            lo[..., full:].float(), tail, scale[..., full:].float()
+        )
+    return out
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -95,6 +117,6 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
-    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+    mask = (1 << bits) - 1
+    parts = [(packed >> (i * bits)) & mask for i in range(per)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
