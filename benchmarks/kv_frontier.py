@@ -143,6 +143,11 @@ def plot(results: dict, path: Path) -> None:
                     ax.annotate(
                         codec, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points"
                     )
+        base = modes.get("blend bfloat16 +first")
+        if base is not None:  # today's defaults forced, and the targets around them
+            ax.axvline(sizes["baseline_bytes_per_token"] / 8, color="grey", ls=":", lw=0.8)
+            limit = base[key] * (1.1 if key != "agreement_with_full" else 1.0)
+            ax.axhline(limit, color="grey", ls=":", lw=0.8, label="1/8 of today's bytes; 1.1× KL")
         ax.set(xscale="log", xlabel="stored bytes per chunk token (log)", ylabel=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -225,6 +230,11 @@ def main() -> None:
         print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
     plot(results, out / f"{args.name}.png")
     print(table(results))
+
+
+def replot(path: Path) -> None:
+    """Draw ``path`` (a results JSON of this script) again as its PNG."""
+    plot(json.loads(path.read_text()), path.with_suffix(".png"))
 
 
 def _cpu_model() -> str:

@@ -243,3 +243,32 @@ def test_codec_names_are_checked_by_config_and_every_cli():
         assert parser.parse_args([*command, "--kv-dtype", "pca2"]).kv_dtype == "pca2"
         with pytest.raises(SystemExit):
             parser.parse_args([*command, "--kv-dtype", "int3"])
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "pca2"])
+def test_cache_plan_reports_measured_bytes_warmup_and_every_tier(kv_dtype, tmp_path, capsys):
+    import json
+
+    from ragblend.cli import main
+    from ragblend.store.quant import kv_bytes_per_token
+
+    argv = ["cache", "plan", "--model", "tiny", "--chunks", "1000", "--chunk-tokens", "64"]
+    argv += ["--kv-dtype", kv_dtype, "--store-path", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # the shape's 4 layers, measured on 2 and scaled; chunks after the prompt head: one entry
+    assert plan["entries_per_chunk"] == 1 and plan["measured_layers"].startswith("2 of")
+    formula = kv_bytes_per_token(kv_dtype, 4, 2, 16, 64) * 64
+    assert plan["bytes_per_chunk"] == pytest.approx(formula)
+    assert plan["corpus_bytes"] == pytest.approx(1000 * plan["bytes_per_chunk"])
+    assert plan["warmup_chunks_per_s"] > 0
+    assert set(plan["tiers"]) == {"ram", "disk"}
+    for tier in plan["tiers"].values():
+        assert tier["hidden"] == (tier["load_ms"] <= tier["recompute_ms"])
+        assert tier["load_ms"] > 0 and tier["recompute_ms"] > 0
+
+
+def test_cache_plan_refuses_an_empty_corpus():
+    from ragblend.cli import main
+
+    assert main(["cache", "plan", "--model", "tiny", "--chunks", "0"]) == 2

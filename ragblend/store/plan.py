@@ -191,11 +191,16 @@ def _engine(args: argparse.Namespace, store) -> tuple[Any, float, list[list[int]
     if args.model in _shapes():
         from ragblend.bench.shapes import SHAPES, random_ids, shape_engine
 
+        import torch
+
+        from ragblend.models.dtype import resolve_dtype
+
         layers = int(SHAPES[args.model]["num_hidden_layers"])
+        dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
         engine, _ = shape_engine(
             args.model,
-            __import__("torch").device("cpu"),
-            args.dtype,
+            torch.device("cpu"),
+            dtype,
             seed=0,
             store=store,
             model_overrides={"num_hidden_layers": SHAPE_LAYERS},
