@@ -189,10 +189,9 @@ def _engine(args: argparse.Namespace, store) -> tuple[Any, float, list[list[int]
 
     config: dict[str, Any] = {"kv_dtype": args.kv_dtype, "dtype": args.dtype}
     if args.model in _shapes():
-        from ragblend.bench.shapes import SHAPES, random_ids, shape_engine
-
         import torch
 
+        from ragblend.bench.shapes import SHAPES, random_ids, shape_engine
         from ragblend.models.dtype import resolve_dtype
 
         layers = int(SHAPES[args.model]["num_hidden_layers"])
