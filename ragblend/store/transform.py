@@ -130,11 +130,13 @@ def decode_tensor(
     tokens = int(codes.shape[1])
     mean, std = stats.float()
     alloc = allocate(std.reshape(-1), budget_bits(bits, heads, dim))
-    q = _unpack(codes.reshape(tokens, -1), alloc)  # [T, H*d]
+    order, counts = _planes(alloc)
+    q = _unpack(codes.reshape(tokens, -1), alloc.numel(), counts)  # [T, H*d], packing order
     step, levels = _steps(std.reshape(-1), alloc)
     # a code c of b bits stands for (c - 2**b / 2 + 0.5) * step; components with no bits: 0
     offset = torch.where(alloc > 0, (0.5 - levels / 2) * step, 0.0) + mean.reshape(-1)
-    y = torch.addcmul(offset, q.float(), step)  # [T, H*d]
+    y = torch.addcmul(offset[order], q.float(), step[order])  # packing order
+    y = y.index_select(1, torch.argsort(order))  # component order (float: a fast gather)
     return torch.bmm(y.reshape(tokens, heads, dim).transpose(0, 1), rotation)
 
 
@@ -175,14 +177,14 @@ def _pack(codes: torch.Tensor, alloc: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.packbits(kept, axis=-1, bitorder="little"))
 
 
-def _unpack(packed: torch.Tensor, alloc: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 [T, n] from :func:`_pack`'s bytes (0 for components with no bits)."""
-    order, counts = _planes(alloc)
+def _unpack(packed: torch.Tensor, n: int, counts: list[int]) -> torch.Tensor:
+    """Codes uint8 [T, n] in :func:`_planes`' order from :func:`_pack`'s bytes (0 for
+    components with no bits)."""
     raw = np.unpackbits(packed.numpy(), axis=-1, count=sum(counts), bitorder="little")
     bits = torch.from_numpy(raw)
-    q = torch.zeros(packed.shape[0], alloc.numel(), dtype=torch.uint8)
+    q = torch.zeros(packed.shape[0], n, dtype=torch.uint8)
     start = 0
-    for p, n in enumerate(counts):
-        q[:, :n] |= bits[:, start : start + n] << p
-        start += n
-    return torch.empty_like(q).index_copy_(1, order, q)
+    for p, width in enumerate(counts):
+        q[:, :width] |= bits[:, start : start + width] << p
+        start += width
+    return q
