@@ -22,6 +22,7 @@ KV_DTYPES: tuple[str, ...] = (
     "float16",
     "int8",
     "k8v4",
+    "k4v8",
     "int4",
     "int2",
     "pca4",
@@ -86,11 +87,11 @@ class BlendConfig:
         the server side that builds the engine; tenants never hit each other's entries.
     kv_dtype: storage dtype or codec of chunk KV, independent of the compute dtype: ``"auto"``
         (the compute dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` (8-bit,
-        a scale per channel or token), ``"k8v4"``/``"int4"``/``"int2"`` (group-wise codes, a
-        scale per 64 values, ``ragblend.store.groupwise``) or ``"pca<bits>"`` such as ``"pca2"`` (a
-        transform coder at ``bits`` a value over a basis calibrated once per model and kept in
-        the store, ``ragblend.store.transform``). Part of every key, so an entry never serves
-        a request expecting another. Bytes and fidelity of each: docs/stores.md.
+        a scale per channel or token), ``"k8v4"``/``"k4v8"``/``"int4"``/``"int2"`` (group-wise
+        codes, a scale per 64 values, ``ragblend.store.groupwise``) or ``"pca<bits>"`` such
+        as ``"pca2"`` (a transform coder at ``bits`` a value over a basis calibrated once per
+        model and kept in the store, ``ragblend.store.transform``). Part of every key, so an
+        entry never serves a request expecting another. Bytes and fidelity: docs/stores.md.
     precompute_context: what each chunk is prefilled after when its KV is precomputed:
         ``"prefix"`` (the prompt head: template + system prompt), ``"canonical"`` (the chat
         template's head with a fixed neutral system prompt: hits under any template),

@@ -34,7 +34,7 @@ def chunk_kv(engine: BlendEngine, text: str = CHUNKS[0]):
     return engine._compute_kv(engine.tokenizer(text, add_special_tokens=False)["input_ids"], [])
 
 
-@pytest.mark.parametrize("name", ["int4", "int2", "k8v4"])
+@pytest.mark.parametrize("name", ["int4", "int2", "k8v4", "k4v8"])
 def test_groupwise_codes_round_trip_within_half_a_step_of_their_group(name):
     torch.manual_seed(0)
     k = torch.randn(2, 3, 150, 16) * torch.linspace(0.1, 8, 16)  # outlier channels

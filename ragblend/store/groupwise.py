@@ -1,4 +1,4 @@
-"""Group-wise low-bit codes of chunk KV (KIVI's layout): ``int4`` and ``int2``.
+"""Group-wise low-bit codes of chunk KV (KIVI's layout): ``int4``, ``int2``, ``k8v4``, ``k4v8``.
 
 Asymmetric codes with one float16 scale and minimum per group of :data:`GROUP` values:
 
@@ -8,10 +8,11 @@ Asymmetric codes with one float16 scale and minimum per group of :data:`GROUP` v
 
 ``x ≈ min + code * scale`` with ``code`` in ``[0, 2**bits - 1]`` (rounded to nearest), within
 ``scale / 2`` of ``x`` per element. ``int4``/``int2`` code keys and values with 4/2 bits,
-``k8v4`` keys with 8 and values with 4. Codes are packed ``8 // bits`` to a byte along the head
-dimension. Stored tensors per layer: ``k``/``v`` uint8 [kv_heads, tokens, head_dim * bits / 8],
-``k_scale``/``k_min`` float16 [kv_heads, ceil(tokens / 64), head_dim], ``v_scale``/``v_min``
-float16 [kv_heads, tokens, ceil(head_dim / 64)]. Bytes per value: ``bits / 8`` plus 4 bytes of
+``k8v4`` keys with 8 and values with 4, ``k4v8`` the other way round. Codes are packed
+``8 // bits`` to a byte along the head dimension. Stored tensors per layer: ``k``/``v`` uint8
+[kv_heads, tokens, head_dim * bits / 8], ``k_scale``/``k_min`` float16 [kv_heads,
+ceil(tokens / 64), head_dim], ``v_scale``/``v_min`` float16 [kv_heads, tokens,
+ceil(head_dim / 64)]. Bytes per value: ``bits / 8`` plus 4 bytes of
 scale and minimum per 64 values (``int4``: 4.5 bits a value, 0.28 of bfloat16).
 """
 
@@ -20,9 +21,14 @@ from __future__ import annotations
 import torch
 
 GROUP = 64
-# (key bits, value bits) per codec name: keys carry the attention scores' error through the
-# softmax, so ``k8v4`` spends 8 bits on them and 4 on values
-GROUPWISE_BITS: dict[str, tuple[int, int]] = {"int4": (4, 4), "int2": (2, 2), "k8v4": (8, 4)}
+# (key bits, value bits) per codec name: ``k8v4`` and ``k4v8`` spend the same bytes on either
+# side (docs/stores.md compares them)
+GROUPWISE_BITS: dict[str, tuple[int, int]] = {
+    "int4": (4, 4),
+    "int2": (2, 2),
+    "k8v4": (8, 4),
+    "k4v8": (4, 8),
+}
 
 
 def encode(k: torch.Tensor, v: torch.Tensor, bits: tuple[int, int]) -> dict[str, torch.Tensor]:
