@@ -55,11 +55,9 @@ def decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [..., kv_heads, tokens, head_dim] in ``dtype`` from :func:`encode`'s tensors."""
     k_bits, v_bits = bits
-    kq = _unpack(tensors["k"], k_bits).transpose(-1, -2)  # [..., d, T]: a scale per GROUP tokens
-    k_scale, k_min = tensors["k_scale"].transpose(-1, -2), tensors["k_min"].transpose(-1, -2)
-    k = _dequantize(kq, k_scale, k_min)
+    k = _dequantize_tokens(_unpack(tensors["k"], k_bits), tensors["k_scale"], tensors["k_min"])
     v = _dequantize(_unpack(tensors["v"], v_bits), tensors["v_scale"], tensors["v_min"])
-    return k.transpose(-1, -2).to(dtype), v.to(dtype)
+    return k.to(dtype), v.to(dtype)
 
 
 def bytes_per_token(
@@ -110,6 +108,26 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> t
     return out
 
 
+def _dequantize_tokens(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``lo + codes * scale`` for keys: codes [..., tokens, d], one scale and minimum
+    [..., groups, d] per :data:`GROUP` tokens of each channel (float32; no transposes)."""
+    tokens, groups = codes.shape[-2], scale.shape[-2]
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    full = min(groups, tokens // GROUP)
+    if full:
+        shape = (*codes.shape[:-2], full, GROUP, codes.shape[-1])
+        src = codes[..., : full * GROUP, :].reshape(shape).float()
+        body = out[..., : full * GROUP, :].view(shape)
+        lo_, scale_ = lo[..., :full, None, :].float(), scale[..., :full, None, :].float()
+        torch.addcmul(lo_, src, scale_, out=body)
+    if full < groups:  # the last, shorter group
+        tail = codes[..., full * GROUP :, :].float()
+        out[..., full * GROUP :, :] = torch.addcmul(
+            lo[..., full:, :].float(), tail, scale[..., full:, :].float()
+        )
+    return out
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``8 // bits`` codes to a byte along the last dim (first code in the low bits)."""
     per = 8 // bits
@@ -122,6 +140,8 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
     per = 8 // bits
     mask = (1 << bits) - 1
     parts = [(packed >> (i * bits)) & mask for i in range(per)]
