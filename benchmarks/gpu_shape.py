@@ -28,6 +28,7 @@ from ragblend.prompt import TokenizedPrompt
 from ragblend.store import make_store
 from ragblend.store.base import ChunkKV
 from ragblend.store.memory import MemoryStore
+from ragblend.store.quant import to_cpu
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -63,7 +64,10 @@ def tier_stores(
             for key in keys:
                 kv = master.get(key)
                 pin = device.type == "cuda"
-                ram.put(key, ChunkKV(pinned(kv.k, pin), pinned(kv.v, pin), dict(kv.meta)))
+                if isinstance(kv, ChunkKV):
+                    ram.put(key, ChunkKV(pinned(kv.k, pin), pinned(kv.v, pin), dict(kv.meta)))
+                else:  # a coded entry (kv_dtype="auto" on a float32 model: int8) as stored
+                    ram.put(key, to_cpu(kv))
             stores[tier] = ram
         elif tier == "disk":
             disk = make_store("disk", path=store_root / "kv", disk_bytes=1 << 40)

@@ -41,7 +41,7 @@ from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.chunk_texts import ChunkTexts
 from ragblend.store.keys import chunk_key, ids_digest
 from ragblend.store.memory import MemoryStore
-from ragblend.store.quant import dtype_name, needs_basis, pack
+from ragblend.store.quant import auto_kv_dtype, dtype_name, needs_basis, pack
 from ragblend.store.transform import Basis
 from ragblend.threads import core_free_for_a_reader
 
@@ -78,9 +78,9 @@ class ChunkCache:
     # ------------------------------------------------------------------ contexts and keys
     @property
     def kv_dtype(self) -> str:
-        """Storage dtype of chunk KV ("auto" resolves to the compute dtype)."""
+        """Storage dtype or codec of chunk KV (``"auto"``: ``quant.auto_kv_dtype``)."""
         if self.config.kv_dtype == "auto":
-            return dtype_name(self.layers.dtype)
+            return auto_kv_dtype(self.layers.dtype)
         return self.config.kv_dtype
 
     @property

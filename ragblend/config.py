@@ -86,12 +86,14 @@ class BlendConfig:
     namespace: tenant salt mixed into every chunk and prefix key (``None``: no tenant). Set by
         the server side that builds the engine; tenants never hit each other's entries.
     kv_dtype: storage dtype or codec of chunk KV, independent of the compute dtype: ``"auto"``
-        (the compute dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` (8-bit,
-        a scale per channel or token), ``"k8v4"``/``"k4v8"``/``"int4"``/``"int2"`` (group-wise
-        codes, a scale per 64 values, ``ragblend.store.groupwise``) or ``"pca<bits>"`` such
-        as ``"pca2"`` (a transform coder at ``bits`` a value over a basis calibrated once per
-        model and kept in the store, ``ragblend.store.transform``). Part of every key, so an
-        entry never serves a request expecting another. Bytes and fidelity: docs/stores.md.
+        (``int8`` on a float32 model, else the compute dtype: chosen on the fidelity–bytes
+        frontier, ``ragblend.store.quant.AUTO_KV_DTYPES``), ``"float32"``, ``"bfloat16"``,
+        ``"float16"``, ``"int8"`` (8-bit, a scale per channel or token), ``"k8v4"``/``"k4v8"``/
+        ``"int4"``/``"int2"`` (group-wise codes, a scale per 64 values,
+        ``ragblend.store.groupwise``) or ``"pca<bits>"`` such as ``"pca2"`` (a transform coder
+        at ``bits`` a value over a basis calibrated once per model and kept in the store,
+        ``ragblend.store.transform``). Part of every key, so an entry never serves a request
+        expecting another. Bytes and fidelity: docs/stores.md.
     precompute_context: what each chunk is prefilled after when its KV is precomputed:
         ``"prefix"`` (the prompt head: template + system prompt), ``"canonical"`` (the chat
         template's head with a fixed neutral system prompt: hits under any template),

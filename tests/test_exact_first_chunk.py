@@ -18,7 +18,8 @@ def test_reuse_of_a_one_chunk_prompt_equals_hf_full_prefill(tokenizer, family):
     """Head and first chunk both exact: reuse computes the question alone and still equals
     HF's full prefill; without the option the chunk's cache (after the canonical head) does
     not."""
-    engine = engine_for(tiny_model(family), tokenizer, exact_first_chunk=True)
+    # float32 entries: a model's own dtype is lossless (``auto`` stores int8 on float32)
+    engine = engine_for(tiny_model(family), tokenizer, exact_first_chunk=True, kv_dtype="float32")
     engine.precompute(CHUNKS[:1])
     prompt = engine.tokenize(QUESTION, CHUNKS[:1])
     ref = hf_forward(engine.model, prompt.ids)
@@ -51,6 +52,7 @@ def test_the_exact_first_chunk_is_never_recomputed_and_leaves_the_budget(tokeniz
         tiny_model("llama", num_hidden_layers=3),
         tokenizer,
         exact_first_chunk=True,
+        kv_dtype="float32",  # the model's dtype: the first chunk's entry is exact
         check_layers=(1,),
         check_scales=None,
         chunk_start_tokens=0,
@@ -107,6 +109,7 @@ def test_prefix_context_stores_the_chunk_once(tokenizer):
         tokenizer,
         exact_first_chunk=True,
         precompute_context="prefix",
+        kv_dtype="float32",  # the model's dtype: the entry is exact
     )
     assert engine.precompute(CHUNKS) == len(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)

@@ -74,7 +74,7 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
     A bottom-right aligned mask lets early selected rows see later keys, so this fails there.
     """
     model = tiny_model("llama")
-    engine = engine_for(model, tokenizer)
+    engine = engine_for(model, tokenizer, kv_dtype="float32")  # entries perturbed as floats
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     context = engine._context_ids(prompt.head)

@@ -33,7 +33,7 @@ def test_other_model_or_dtype_misses(tokenizer):
 
 
 def test_fusion_leaves_the_stored_cache_unchanged(tokenizer):
-    engine = engine_for(tiny_model("qwen3"), tokenizer, ratio=0.5)
+    engine = engine_for(tiny_model("qwen3"), tokenizer, ratio=0.5, kv_dtype="float32")
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     context = engine._context_ids(prompt.head)

@@ -33,6 +33,17 @@ FLOAT_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float1
 QUANT_KV_DTYPES = ("int8", *groupwise.GROUPWISE_BITS)
 STORAGE_KV_DTYPES = (*FLOAT_KV_DTYPES, *QUANT_KV_DTYPES, "pca<bits>")
 _INT8_MAX = 127.0
+# kv_dtype="auto" by compute dtype, chosen on the fidelity–bytes frontier (docs/stores.md, issue
+# 70): on a float32 model, int8 entries (a quarter of float32's bytes) matched float32 and
+# bfloat16 entries in blend's fidelity at about their speed; other compute dtypes store
+# themselves (int8 is not measured there)
+AUTO_KV_DTYPES = {"float32": "int8"}
+
+
+def auto_kv_dtype(compute: torch.dtype) -> str:
+    """What ``kv_dtype="auto"`` stores chunk KV of a ``compute``-dtype model in."""
+    name = dtype_name(compute)
+    return AUTO_KV_DTYPES.get(name, name)
 
 
 def is_storage_kv_dtype(name: str) -> bool:
