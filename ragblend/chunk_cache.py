@@ -164,11 +164,15 @@ class ChunkCache:
         if self._basis is None:
             self._basis = self._stored_basis()
         if self._basis is None and create:
-            self.store.put(self.basis_key, bases.as_entry(self._calibrate(), self._meta()))
-            # read back: where two processes calibrated at once, every engine uses the winner
-            self._basis = self._stored_basis()
-            if self._basis is None:
-                raise RagblendError("the store did not keep the calibration basis")
+            calibrated = self._calibrate()
+            self.store.put(self.basis_key, bases.as_entry(calibrated, self._meta()))
+            flush = getattr(self.store, "flush", None)  # the Redis tier writes asynchronously
+            if callable(flush):
+                flush()
+            # read back: where two processes calibrated at once, every engine uses the winner;
+            # a store that did not keep it (full, unreachable) leaves it to this engine alone
+            # (its entries are then misses for every other engine: keys name the basis)
+            self._basis = self._stored_basis() or bases.register(calibrated)
         return self._basis
 
     def _stored_basis(self) -> Basis | None:

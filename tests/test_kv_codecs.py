@@ -272,3 +272,22 @@ def test_cache_plan_refuses_an_empty_corpus():
     from ragblend.cli import main
 
     assert main(["cache", "plan", "--model", "tiny", "--chunks", "0"]) == 2
+
+
+def test_the_transform_coder_works_on_the_shared_redis_tier(tokenizer, redis_server):
+    store = make_store("redis", url=redis_server.url)
+    writer = make_engine(tokenizer, store, "pca2")
+    writer.precompute(CHUNKS)
+    reader = make_engine(tokenizer, make_store("redis", url=redis_server.url), "pca2")
+    prompt = reader.tokenize(QUESTION, CHUNKS)
+    assert reader.prefill(prompt, mode="blend").stats.chunk_hits == len(CHUNKS)
+
+
+def test_a_store_too_small_for_the_basis_leaves_it_to_the_engine(tokenizer):
+    store = MemoryStore(1 << 10)  # keeps nothing: every entry is larger
+    engine = make_engine(tokenizer, store, "pca2")
+    engine.precompute(CHUNKS)
+    assert engine.chunks.load_basis() is not None and engine.chunks.basis_key not in store
+    other = make_engine(tokenizer, store, "pca2")
+    prompt = other.tokenize(QUESTION, CHUNKS)
+    assert other.prefill(prompt, mode="blend").stats.chunk_misses == len(CHUNKS)
