@@ -1,14 +1,14 @@
 """The transform coder's calibration basis: kept in the store under the model's fingerprint.
 
-A model's basis (``ragblend.store.transform.Basis``) is calibrated once, from the KV of a fixed
-set of calibration passages (:data:`CALIBRATION_CHUNKS` of the MuSiQue passages shipped in
+A model's basis (``ragblend.store.transform.Basis``) is calibrated once, from the KV of a fixed set
+of calibration passages (:data:`CALIBRATION_CHUNKS` of the MuSiQue passages shipped in
 ``ragblend/data``, each cut to :data:`CALIBRATION_TOKENS` tokens, prefilled after the canonical
-head), and stored like a chunk entry (float32; K and V rotations as its ``k`` and ``v``, the
-head dimension as its token count) under :func:`basis_key`: every tier keeps and verifies it
-with its checksums, and every engine on the store reads the same basis. Coded entries name the
-basis id in their key and meta, so an entry coded with another basis (another model, a lost
-race between two calibrating processes) is never looked up, and one whose basis is not loaded
-here does not decode (a miss, never a wrong value).
+head), and stored like a chunk entry (float32; K and V rotations as its ``k`` and ``v``, the head
+dimension as its token count) under ``ChunkCache.basis_key``: every tier keeps and verifies it with
+its checksums, and every engine on the store reads the same basis. Coded entries name the basis id
+in their key and meta, so an entry coded with another basis (another model, a lost race between two
+calibrating processes) is never looked up, and one whose basis is not loaded here does not decode (a
+miss, never a wrong value).
 
 Bases in use are registered in this process (:func:`register`, :func:`loaded`), since a coded
 entry decodes in whatever tier hands it out.

@@ -12,10 +12,10 @@ with float32 scales, as KIVI/KVQuant recommend for pre-RoPE keys and values:
   head and channel over the chunk's tokens — key outliers live in fixed channels);
 - values per token: ``v ≈ v_q * v_scale``, ``v_scale`` [kv_heads, tokens, 1].
 
-``int4`` and ``int2`` are group-wise codes (``ragblend.store.groupwise``); ``pca<bits>`` (e.g.
-``pca2``: 2 bits a value) the transform coder (``ragblend.store.transform``), whose entries
-name the model's calibration basis (``meta["basis"]``, ``ragblend.store.basis``) and decode
-only where that basis is loaded.
+``int4``, ``int2``, ``k8v4`` and ``k4v8`` are group-wise codes (``ragblend.store.groupwise``);
+``pca<bits>`` (e.g. ``pca2``: 2 bits a value) the transform coder (``ragblend.store.transform``),
+whose entries name the model's calibration basis (``meta["basis"]``, ``ragblend.store.basis``) and
+decode only where that basis is loaded.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ STORAGE_KV_DTYPES = (*FLOAT_KV_DTYPES, *QUANT_KV_DTYPES, "pca<bits>")
 _INT8_MAX = 127.0
 # kv_dtype="auto" by compute dtype, chosen on the fidelity–bytes frontier (docs/stores.md, issue
 # 70): on a float32 model, int8 entries (a quarter of float32's bytes) matched float32 and
-# bfloat16 entries in blend's fidelity at about their speed; other compute dtypes store
-# themselves (int8 is not measured there)
+# bfloat16 entries in blend's fidelity, at 0.90x float32's speed and 1.04x bfloat16's; other
+# compute dtypes store themselves (int8 is not measured there)
 AUTO_KV_DTYPES = {"float32": "int8"}
 
 
@@ -44,11 +44,6 @@ def auto_kv_dtype(compute: torch.dtype) -> str:
     """What ``kv_dtype="auto"`` stores chunk KV of a ``compute``-dtype model in."""
     name = dtype_name(compute)
     return AUTO_KV_DTYPES.get(name, name)
-
-
-def is_storage_kv_dtype(name: str) -> bool:
-    """Whether ``name`` is a storage dtype or codec chunk KV can be stored in."""
-    return name in FLOAT_KV_DTYPES or name in QUANT_KV_DTYPES or needs_basis(name)
 
 
 def needs_basis(kv_dtype: str) -> bool:

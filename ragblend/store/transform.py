@@ -27,6 +27,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class Basis:
     k: torch.Tensor
     v: torch.Tensor
 
-    @property
+    @cached_property
     def id(self) -> str:
         h = hashlib.sha256()
         for t in (self.k, self.v):
