@@ -70,19 +70,14 @@ def memoised(engines: list[BlendEngine]) -> None:
 
 def stored_bytes(engine: BlendEngine, chunks: list[list[int]], head: list[int]) -> dict:
     """Bytes and tokens of each chunk's stored entries: neighbour-context, exact first."""
-    cache = engine.chunks
-    cache.load_basis()
-    context = cache.context_ids(head)
-    out = {"tokens": 0, "entry_bytes": 0, "first_bytes": 0}
-    for ids in chunks:
-        entry = engine.store.get(cache.key(context_ids=context, chunk_ids=ids))
-        first = engine.store.get(cache.key(context_ids=head, chunk_ids=ids))
-        if entry is None or first is None:
-            raise SystemExit(f"kv_frontier: a {engine.kv_dtype} entry is missing after warmup")
-        out["tokens"] += len(ids)
-        out["entry_bytes"] += entry.nbytes
-        out["first_bytes"] += first.nbytes
-    return out
+    stored = engine.chunks.stored_entries(chunks, head)
+    if len(stored) != len(chunks) or any(len(entries) != 2 for entries in stored):
+        raise SystemExit(f"kv_frontier: a {engine.kv_dtype} entry is missing after warmup")
+    return {
+        "tokens": sum(map(len, chunks)),
+        "entry_bytes": sum(own.nbytes for own, _ in stored),
+        "first_bytes": sum(first.nbytes for _, first in stored),
+    }
 
 
 def table(results: dict) -> str:

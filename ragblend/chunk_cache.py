@@ -464,19 +464,22 @@ class ChunkCache:
         segments.append(Segment("tail", prompt.tail))
         return segments, missing
 
-    def stored_entries(self, prompt: TokenizedPrompt) -> list[list[KVEntry]]:
-        """For each chunk of ``prompt`` stored under its precompute context: that entry, then
-        its first-chunk exact entry where one is stored (what the chunk costs the store)."""
+    def stored_entries(
+        self, chunks: Sequence[Sequence[int]], head: list[int]
+    ) -> list[list[KVEntry]]:
+        """For each of ``chunks`` (token ids, for prompts with ``head``) stored under its
+        precompute context: that entry, then its first-chunk exact entry where one is stored
+        (what the chunk costs the store)."""
         self.load_basis()
-        context_ids = self.context_ids(prompt.head)
+        context_ids = self.context_ids(head)
         out = []
-        for chunk in prompt.chunks:
+        for chunk in chunks:
             own = self.store.get(self.key(context_ids=context_ids, chunk_ids=chunk))
             if own is None:
                 continue
             found = [own]
-            if context_ids != list(prompt.head):
-                first = self.store.get(self.key(context_ids=prompt.head, chunk_ids=chunk))
+            if context_ids != list(head):
+                first = self.store.get(self.key(context_ids=head, chunk_ids=chunk))
                 found += [first] if first is not None else []
             out.append(found)
         return out

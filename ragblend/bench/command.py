@@ -260,7 +260,7 @@ def stored_sizes(engine: BlendEngine, cases) -> dict:
     entry = every = tokens = 0
     for case in cases:
         prompt = engine.tokenize(case.question, case.chunks)
-        for got in engine.chunks.stored_entries(prompt):
+        for got in engine.chunks.stored_entries(prompt.chunks, prompt.head):
             entry += got[0].nbytes
             every += sum(e.nbytes for e in got)
             tokens += got[0].num_tokens

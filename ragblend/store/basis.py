@@ -25,7 +25,7 @@ from importlib import resources
 import torch
 
 from ragblend.store.base import ChunkKV, KVEntry
-from ragblend.store.transform import Basis
+from ragblend.store.transform import Basis, calibrate
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,4 @@ def from_entry(entry: KVEntry, shape: tuple[int, int, int]) -> Basis | None:
 
 def calibrate_from(kvs: Sequence[ChunkKV]) -> Basis:
     """The basis of chunks' KV (see ``ragblend.store.transform.calibrate``)."""
-    from ragblend.store.transform import calibrate
-
     return calibrate([kv.k for kv in kvs], [kv.v for kv in kvs])

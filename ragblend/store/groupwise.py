@@ -90,22 +90,10 @@ def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """``lo + codes * scale`` with one scale and minimum [..., rows, groups] per :data:`GROUP`
-    values of the last dim of ``codes`` [..., rows, n] (float32)."""
-    n = codes.shape[-1]
-    groups = scale.shape[-1]
-    out = torch.empty(codes.shape, dtype=torch.float32)
-    full = min(groups, n // GROUP)
-    if full:
-        shape = (*codes.shape[:-1], full, GROUP)
-        src = codes[..., : full * GROUP].reshape(shape).float()
-        body = out[..., : full * GROUP].view(shape)  # splits the last dim: a view of ``out``
-        torch.addcmul(lo[..., :full, None].float(), src, scale[..., :full, None].float(), out=body)
-    if full < groups:  # the last, shorter group
-        tail = codes[..., full * GROUP :].float()
-        out[..., full * GROUP :] = torch.addcmul(
-            lo[..., full:].float(), tail, scale[..., full:].float()
-        )
-    return out
+    values of the last dim of ``codes`` [..., rows, n] (float32): the keys' grouping with the
+    values' channels as its tokens and one channel (views, no copies)."""
+    out = _dequantize_tokens(codes.unsqueeze(-1), scale.unsqueeze(-1), lo.unsqueeze(-1))
+    return out.squeeze(-1)
 
 
 def _dequantize_tokens(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -130,10 +118,7 @@ def _dequantize_tokens(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tenso
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``8 // bits`` codes to a byte along the last dim (first code in the low bits)."""
-    per = 8 // bits
-    n = codes.shape[-1]
-    if n % per:
-        codes = torch.nn.functional.pad(codes, (0, per - n % per))
+    per = 8 // bits  # encode() checked that head_dim is a multiple of it
     c = codes.reshape(*codes.shape[:-1], -1, per).to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32) * bits
     return (c << shifts).sum(-1).to(torch.uint8).contiguous()

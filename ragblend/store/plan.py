@@ -86,7 +86,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         _calibrate_from_ids(engine, samples)
     cache.load_basis(create=True)
     calibration_s = time.perf_counter() - t0
-    kinds = cache.context_ids(head) != list(head)
     # steady state: the neighbours are chunks the corpus has stored already
     samples, warm = samples[:SAMPLES], samples[SAMPLES:]
     for ids in warm:
@@ -95,12 +94,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     for ids in samples:
         cache.precompute_ids(ids, head, neighbours=cache_neighbours(engine, warm))
     per_chunk_s = (time.perf_counter() - t0) / len(samples) * scale
-    entries = _entries(engine, samples, head, first=kinds and engine.config.exact_first_chunk)
-    stored = sum(e.nbytes for e in entries) / sum(len(ids) for ids in samples)
-    bytes_per_chunk = stored * args.chunk_tokens * scale
-    one_entry = sum(e.nbytes for e in entries[: len(samples)]) / sum(map(len, samples))
-    entry_bytes = one_entry * args.chunk_tokens * scale
-    decode_ms = _decode_ms(entries[: len(samples)]) * scale * args.chunk_tokens / _mean_len(samples)
+    stored = cache.stored_entries(samples, head)
+    if len(stored) != len(samples):
+        raise RuntimeError("a precomputed sample is not in the plan's store")
+    tokens = sum(map(len, samples))
+    per_token = sum(e.nbytes for entries in stored for e in entries) / tokens
+    bytes_per_chunk = per_token * args.chunk_tokens * scale
+    own = [entries[0] for entries in stored]  # the entry a prompt reads for each chunk
+    entry_bytes = sum(e.nbytes for e in own) / tokens * args.chunk_tokens * scale
+    decode_ms = _decode_ms(own) * scale * args.chunk_tokens / _mean_len(samples)
     prompt_tokens = len(head) + args.top_k * args.chunk_tokens
     prefill_ms = _prefill_ms(engine, prompt_tokens) * scale
     ratio = float(engine.config.ratio if args.ratio is None else args.ratio)
@@ -127,7 +129,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "kv_dtype": engine.kv_dtype,
         "chunk_tokens": args.chunk_tokens,
         "chunks": args.chunks,
-        "entries_per_chunk": 2 if kinds and engine.config.exact_first_chunk else 1,
+        "entries_per_chunk": max(len(entries) for entries in stored),
         "bytes_per_token": bytes_per_chunk / args.chunk_tokens,
         "bytes_per_chunk": bytes_per_chunk,
         "corpus_bytes": bytes_per_chunk * args.chunks,
@@ -229,20 +231,6 @@ def _calibrate_from_ids(engine, samples: list[list[int]]) -> None:
     if needs_basis(cache.kv_dtype) and cache.load_basis() is None:
         kvs = [cache.compute_kv(ids, []) for ids in samples]
         cache.store.put(cache.basis_key, bases.as_entry(bases.calibrate_from(kvs), {}))
-
-
-def _entries(engine, samples: list[list[int]], head: list[int], first: bool) -> list[KVEntry]:
-    """Each sample's neighbour-context entry, then (``first``) each one's exact entry."""
-    cache = engine.chunks
-    contexts = [cache.context_ids(head)] + ([list(head)] if first else [])
-    found = []
-    for context in contexts:
-        for ids in samples:
-            entry = cache.store.get(cache.key(context_ids=context, chunk_ids=ids))
-            if entry is None:
-                raise RuntimeError("a precomputed sample is not in the plan's store")
-            found.append(entry)
-    return found
 
 
 def _decode_ms(entries: list[KVEntry]) -> float:

@@ -16,7 +16,8 @@ stores, per layer and tensor:
 The allocation is recomputed by the decoder from the stored float16 deviations, so nothing else
 is stored: an entry's size depends only on its token count (the same for every layer, which
 every tier's format wants). Stored tensors per layer: ``k``/``v`` uint8 [1, tokens,
-budget / 8] (each token's codes bit-packed, components in order, least significant bit first)
+budget / 8] (each token's codes as bit planes: bit 0 of every component with a bit, then bit 1
+of those with two, …, components ordered by their bits)
 and ``k_stats``/``v_stats`` float16 [2, kv_heads, head_dim] (mean, deviation). Bytes per token:
 ``2 × layers × (budget / 8)`` plus the statistics (8 bytes per component and chunk).
 """
