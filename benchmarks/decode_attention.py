@@ -4,7 +4,7 @@ For a model's attention shape (query heads, KV heads, head dim, layers), B reque
 its own ``--context`` keys of random bf16 K/V per layer (distinct buffers per layer and
 request, as a step reads them: from memory, not cache), the time of one decode step's
 attention (every layer's call) for each build this CPU runs
-(:func:`ragblend.fusion.cpu.native.decode_builds`):
+(:func:`ragblend.kernels.cpu.native.decode_builds`):
 
 - ``fp32_avx2``: fp32 math, bf16 widened, 8 lanes (the fp32 kernels' own build);
 - ``fp32_avx512``: the same at 16 lanes (``avx512`` and above);
@@ -12,7 +12,7 @@ attention (every layer's call) for each build this CPU runs
   decodes with there);
 - ``int8_avx2``, ``int8_avx512``: the 8-bit K/V cache's kernel (``kv_cache_dtype="int8"``:
   the same random K/V quantized as llama.cpp's q8_0, fp32 q) at 8 and 16 lanes, each where
-  the CPU level runs it (:data:`ragblend.fusion.cpu.decode_q8.Q8_BUILDS`).
+  the CPU level runs it (:data:`ragblend.kernels.cpu.decode_q8.Q8_BUILDS`).
 
 Each repeat runs every case once, in turn (interleaved); medians over repeats, with the K/V
 bytes a step reads and the rate it reads them at (``kv_bytes``: bf16; ``int8_kv_bytes``: the
@@ -36,8 +36,8 @@ from typing import NamedTuple
 import torch
 
 from ragblend import cpu
-from ragblend.fusion.cpu.decode_q8 import Q8_BUILDS, Q8Kernel, q8_block, q8_kernel, quantize_q8
-from ragblend.fusion.cpu.native import decode_builds
+from ragblend.kernels.cpu.decode_q8 import Q8_BUILDS, Q8Kernel, q8_block, q8_kernel, quantize_q8
+from ragblend.kernels.cpu.native import decode_builds
 
 # name -> (query heads, KV heads, head dim, layers)
 SHAPES = {

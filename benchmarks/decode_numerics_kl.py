@@ -29,7 +29,7 @@ from ragblend.bench.datasets import default_dataset, load_cases
 from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.bench.metrics import kl_divergence
 from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
-from ragblend.generation import Prefill
+from ragblend.decode.generation import Prefill
 
 REFERENCE = ("float", "auto")
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-import ragblend.generation as generation
+import ragblend.decode.generation as generation
 from ragblend import BlendEngine, SamplingParams
 from ragblend.models.packed import pack_decode_linears, unpack_decode_linears
 

@@ -4,7 +4,7 @@
     python benchmarks/decode_steps.py --model qwen2.5-0.5b-Q4_K_M.gguf --out …
 
 For each ``--prompt-sizes`` entry ``KxN`` (the first MuSiQue dev case with its top K chunks of
-N tokens and the question), one full prefill; then ``ragblend.layer_decode.decode_batch``
+N tokens and the question), one full prefill; then ``ragblend.decode.decoder.decode_batch``
 steps of B decoders over copies of its cache, for each B of ``--batches`` in turn per repeat
 (interleaved, so that a noisy neighbour hits all batch sizes alike), every repeat from the
 same position. Reports the median ms per step over ``--repeats`` (each the mean of ``--steps``
@@ -21,7 +21,7 @@ way (one set of decoders per storage, made once), and reports each one's step ti
 ratio to the first one's. ``--decode-activations float,int8`` does the same for
 ``BlendConfig.decode_activations`` (a GGUF's quantized linears: exact or 8-bit activations).
 ``--int8-builds ragblend_q8vnni,ragblend_q8amx`` times the 8-bit activations' kernel builds
-(:data:`ragblend.models.int8_decode.BUILDS`) the way ``--quant-builds`` does the float ones.
+(:data:`ragblend.kernels.cpu.int8_decode.BUILDS`) the way ``--quant-builds`` does the float ones.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from ragblend import BlendConfig, BlendEngine
 from ragblend.bench.datasets import default_dataset, load_cases
 from ragblend.bench.environment import cpu_environment, write_report
 from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
-from ragblend.generation import Prefill, decoder_for
-from ragblend.layer_decode import LayerDecoder, decode_batch
-from ragblend.models import int8_decode
-from ragblend.models.quant_kernels import kernels_in_use, kernels_of
+from ragblend.decode.decoder import LayerDecoder, decode_batch
+from ragblend.decode.generation import Prefill, decoder_for
+from ragblend.kernels.cpu import int8_decode
+from ragblend.kernels.cpu.quant_kernels import kernels_in_use, kernels_of
 
 
 def main() -> None:

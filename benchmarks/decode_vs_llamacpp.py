@@ -34,7 +34,7 @@ from ragblend.bench import llamacpp as peer
 from ragblend.bench.datasets import default_dataset, load_cases
 from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES
 from ragblend.cpu import describe
-from ragblend.generation import decode_tokens
+from ragblend.decode.generation import decode_tokens
 
 
 def measure(

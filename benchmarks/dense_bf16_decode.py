@@ -3,7 +3,8 @@
 For SmolLM2-135M's weight shapes (random bf16 weights; q/k/v/o, gate/up/down and the 49k-row
 LM head) at n = 1, 4, 8 and 16 rows of x, the time per call of:
 
-- ``native``: :mod:`ragblend.models.dense_decode`'s ``matmul`` (each row the same in any batch),
+- ``native``: :mod:`ragblend.kernels.cpu.dense_decode`'s ``matmul`` (each row the same in any
+  batch),
   the build the CPU level selects (``avx512_bf16``: vdpbf16ps; the report's ``native_build``);
 - ``native_fp32``: the ``avx512`` build of the same kernel (bf16 widened, fp32 FMAs), where
   that is not the selected build already;
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend.bench.environment import cpu_environment, write_report
-from ragblend.models.dense_decode import dense_kernel
+from ragblend.kernels.cpu.dense_decode import dense_kernel
 
 # SmolLM2-135M: name -> (rows, cols), and how many of it one decode step runs
 SHAPES = {

@@ -3,7 +3,7 @@
 For each model shape (``ragblend.bench.shapes``; random weights built on the device, driven
 with token ids only), one full prefill of a random prompt of ``--prompt-tokens`` ids; then B
 decoders over copies of its cache (``engine.decoder(prefill, …)``) for each B of ``--batches``,
-stepped ``--steps`` greedy steps together (``ragblend.layer_decode.decode_batch``: one GEMM per
+stepped ``--steps`` greedy steps together (``ragblend.decode.decoder.decode_batch``: one GEMM per
 linear for all B rows, each decoder fed its own argmax token). Batch sizes are interleaved
 within each repeat (a noisy neighbour hits all alike), every repeat from the prompt's end, with
 ``torch.cuda.synchronize()`` before and after each timing on CUDA. Where ``engine.decoder``
@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from ragblend.bench.environment import environment, nvidia_smi  # noqa: E402
 from ragblend.bench.harness import peak_memory, resolve_device, sync  # noqa: E402
 from ragblend.bench.shapes import SHAPES, random_ids, shape_engine  # noqa: E402
+from ragblend.decode.decoder import LayerDecoder, decode_batch  # noqa: E402
 from ragblend.engine import BlendEngine  # noqa: E402
-from ragblend.layer_decode import LayerDecoder, decode_batch  # noqa: E402
 from ragblend.prompt import TokenizedPrompt  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
 

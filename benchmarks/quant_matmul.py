@@ -1,4 +1,4 @@
-"""Speed of the native GGUF block kernels (ragblend.models.quant_kernels) on one matrix.
+"""Speed of the native GGUF block kernels (ragblend.kernels.cpu.quant_kernels) on one matrix.
 
 For each of ``--types`` (default Q4_K, Q6_K and Q4_1; random valid blocks, ``--size`` x
 ``--size``, or ``--shape ROWS COLS``): ``matmul`` at n = 1, 4 and 16 rows of x (``--n``), x in
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend.bench.environment import cpu_environment, write_report
-from ragblend.models.quant_kernels import (
+from ragblend.kernels.cpu.quant_kernels import (
     QUANT_TYPES,
     QuantKernels,
     dequantize_reference,

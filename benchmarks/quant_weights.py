@@ -43,7 +43,7 @@ def engines(args: argparse.Namespace) -> dict:
 
 def decode_rate(engine, prefill, tokens: int) -> float:
     from ragblend import SamplingParams
-    from ragblend.generation import decode_tokens
+    from ragblend.decode.generation import decode_tokens
 
     engine.prepare_decode()
     start = time.perf_counter()

@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     from ragblend import BlendConfig, BlendEngine, SamplingParams
     from ragblend.bench.datasets import load_cases
-    from ragblend.generation import decode_tokens
+    from ragblend.decode.generation import decode_tokens
     from ragblend.models.dtype import resolve_dtype
     from ragblend.models.loading import embedded_model_dir
     from ragblend.models.quantized import quantized_weights, weight_bytes

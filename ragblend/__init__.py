@@ -1,9 +1,9 @@
 """ragblend: CacheBlend (fused chunk KV caches with selective recompute) on HF transformers."""
 
 from ragblend.config import BlendConfig
+from ragblend.decode import BlendResult, BlendStats, BlendStream, SamplingParams
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError, UnsupportedModelError
-from ragblend.generation import BlendResult, BlendStats, BlendStream, SamplingParams
 from ragblend.prompt import PromptFormat
 
 __all__ = [

@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "demo": "ragblend.demo",
     "bench": "ragblend.bench.command",
-    "warmup": "ragblend.warmup_command",
+    "warmup": "ragblend.warmup.command",
     "cache": "ragblend.store.command",
     "serve": "ragblend.serving.command",
 }

@@ -7,8 +7,12 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.cpu.native import RowAttention, check_row_attention
-from ragblend.fusion.cuda.layer_ops import LayerKernelsChoice, check_layer_kernels
+from ragblend.kernels import (
+    LayerKernelsChoice,
+    RowAttention,
+    check_layer_kernels,
+    check_row_attention,
+)
 from ragblend.models.gguf import Weights, check_weights
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
@@ -132,12 +136,12 @@ class BlendConfig:
         path also runs RoPE and Llama-family RMSNorms in one pass each (HF's values bit for
         bit), and decode steps' attention for all running requests in one call (over fp32 or
         bf16 K/V). See
-        ``ragblend.fusion.cpu.native``.
+        ``ragblend.kernels.cpu.native``.
     layer_kernels: the kernels of a fused prefill's layer steps where ragblend's native CPU
         kernels do not run (a GPU, or ``row_attention="masked"``/``"sdpa"``): ``"hf"`` (HF's
         modules: six kernels per RMSNorm, five per RoPE), ``"fused"`` (one registered op per
         norm, residual add + norm, RoPE of q and k, in-place RoPE of the cached keys, K/V
-        scatter and SiLU product, ``ragblend.fusion.cuda.layer_ops``: Triton kernels on CUDA,
+        scatter and SiLU product, ``ragblend.kernels.cuda.layer_ops``: Triton kernels on CUDA,
         checked against torch references of HF's arithmetic when they load; those references
         elsewhere) or ``"auto"`` (``"hf"`` until a GPU run of ``benchmarks/gpu_check.sh`` has
         checked the Triton kernels).
@@ -145,16 +149,16 @@ class BlendConfig:
         weights: ``"float"`` (the rows as they are: dequantize + ``F.linear`` to fp32
         rounding), ``"int8"`` (llama.cpp's arithmetic: each row quantized to 8 bits per block
         of the weight's type, Q8_0 per 32 values or Q8_K per 256, and integer dot products;
-        ``ragblend.models.int8_decode``) or ``"auto"`` (what was measured faster at this CPU
-        level: ``ragblend.models.int8_decode.AUTO_BY_LEVEL``). Prefills keep the exact path;
+        ``ragblend.kernels.cpu.int8_decode``) or ``"auto"`` (what was measured faster at this CPU
+        level: ``ragblend.kernels.cpu.int8_decode.AUTO_BY_LEVEL``). Prefills keep the exact path;
         dense models are unaffected.
-    decode_slots: requests a static decode K/V pool holds (``ragblend.decode_pool``): their
+    decode_slots: requests a static decode K/V pool holds (``ragblend.decode.pool``): their
         decode buffers are slots of one tensor per layer, and a step of requests that share it
         attends in one call per layer. ``None`` (default): 8 on a GPU, 0 (off: a buffer per
         request, the native CPU kernels' layout) on a CPU. A request that finds no free slot,
         or needs more than the pool's tokens (``decode_pool_tokens``), gets its own buffers.
     decode_pool_tokens: the tokens (prompt + answer) a pool slot holds (default 4096).
-    cuda_graphs: replay a decode pool's step from a CUDA graph (``ragblend.decode_graph``;
+    cuda_graphs: replay a decode pool's step from a CUDA graph (``ragblend.decode.graph``;
         one launch of host time per step instead of hundreds) on a GPU. Off by default until
         a GPU run of ``benchmarks/gpu_check.sh`` has checked it; a capture that fails falls
         back to eager steps with one warning.

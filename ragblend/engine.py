@@ -14,28 +14,31 @@ import torch
 
 from ragblend.chunk_cache import ChunkCache
 from ragblend.config import BlendConfig, check_mode, check_ratio, fit_to_depth
-from ragblend.decode_pool import DecodePool
-from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
-from ragblend.fusion.cpu.native import NativeKernels, native_kernels
-from ragblend.fusion.cuda.layer_ops import LayerKernels
-from ragblend.fusion.cuda.loading import layer_kernels
-from ragblend.fusion.fusor import fuse
-from ragblend.fusion.selection import make_selector
-from ragblend.fusion.selectors import TokenSelector
-from ragblend.generation import (
+from ragblend.decode import (
     BlendResult,
     BlendStats,
     BlendStream,
+    DecodePool,
     Decoder,
     HFDecoder,
+    LayerDecoder,
     Prefill,
     SamplingParams,
     decode_tokens,
     decoder_for,
     teacher_forced_logits,
 )
-from ragblend.layer_decode import LayerDecoder
+from ragblend.errors import CorruptEntryError, RagblendError
+from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
+from ragblend.fusion.fusor import fuse
+from ragblend.fusion.selection import make_selector
+from ragblend.fusion.selectors import TokenSelector
+from ragblend.kernels import (
+    LayerKernels,
+    NativeKernels,
+    layer_kernels,
+    native_kernels,
+)
 from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.hf_cache import dynamic_cache_of
@@ -179,7 +182,7 @@ class BlendEngine:
 
     @property
     def native(self) -> NativeKernels | None:
-        """The native CPU kernels blend runs on (:mod:`ragblend.fusion.cpu.native`), or None for
+        """The native CPU kernels blend runs on (:mod:`ragblend.kernels.cpu.native`), or None for
         SDPA blocks. Built on first use, so engines that only precompute (warmup jobs, Ray
         actors) never compile or load them."""
         if self._native is _UNRESOLVED:
@@ -573,7 +576,7 @@ class BlendEngine:
     def decoder(self, prefill: Prefill, max_new_tokens: int) -> LayerDecoder | HFDecoder:
         """A decoder after ``prefill`` with room for ``max_new_tokens`` (its ``step(token)``
         gives the next logits; a :class:`LayerDecoder` also batches with others through
-        ``ragblend.layer_decode.decode_batch``; its K/V cache stored as
+        ``ragblend.decode.decoder.decode_batch``; its K/V cache stored as
         ``config.kv_cache_dtype`` says). ``prefill`` is left as it is. Call
         :meth:`prepare_decode` once first."""
         total = len(prefill.prompt_ids) + max_new_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ragblend.generation import BlendStats
+    from ragblend.decode import BlendStats
 
 NO_KNOWN_CHUNK = "no_known_chunk"
 CACHE_MISS = "cache_miss"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import FAMILIES, engine_for, tiny_model
 
-from ragblend.fusion.cpu.native import native_kernels
-from ragblend.layer_decode import DecodeAttention, LayerDecoder, decode_attention, decode_batch
+from ragblend.decode.decoder import DecodeAttention, LayerDecoder, decode_attention, decode_batch
+from ragblend.kernels.cpu.native import native_kernels
 from ragblend.models.packed import cpu_packs, pack_decode_linears
 
 PROMPTS = ["Hello there, how are you", "The capital of France is a city", "1 2 3 4 5 6 7 8 9"]

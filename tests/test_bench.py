@@ -12,8 +12,8 @@ from ragblend.bench.datasets import cut_to_tokens, load_cases
 from ragblend.bench.metrics import best_f1, f1_score, kl_divergence, normalize_answer
 from ragblend.cli import main
 from ragblend.errors import RagblendError
+from ragblend.kernels.cpu.int8_decode import int8_kernels, resolve_decode_activations
 from ragblend.models.dtype import resolve_dtype
-from ragblend.models.int8_decode import int8_kernels, resolve
 
 MODE_KEYS = {
     "ttft_ms_median",
@@ -106,7 +106,9 @@ def test_bench_cli_writes_the_contract_results_and_plot(tmp_path, dev_cases):
     assert settings["weights"] == "quantized"
     # with 8-bit activations where this CPU level's auto picks them (or the kernels cannot run)
     runs = int8_kernels() is not None
-    assert settings["decode_activations"] == (resolve("auto") if runs else "float")
+    assert settings["decode_activations"] == (
+        resolve_decode_activations("auto") if runs else "float"
+    )
     kind = "int8" if settings["decode_activations"] == "int8" else "native"
     assert settings["decode_path"] in (f"q4_1-{kind}", "q4_1-dequantize")
     assert settings["kv_cache_dtype"] == "auto"

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ragblend.extensions import Build, widest_that_loads
+from ragblend.kernels.cpu.extensions import Build, widest_that_loads
 
 log = logging.getLogger("probe.builds")
 

@@ -10,8 +10,8 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.fusion.cpu import decode_kernels
-from ragblend.fusion.cpu.native import build_kernels, cpu_runs_kernel, decode_builds
+from ragblend.kernels.cpu import decode_kernels
+from ragblend.kernels.cpu.native import build_kernels, cpu_runs_kernel, decode_builds
 
 # (query heads, KV heads, head dim), and key counts either side of the 16-key tiles, the
 # 32-value runs and the 512-key blocks

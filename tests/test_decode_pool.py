@@ -1,4 +1,4 @@
-"""The static decode pool (ragblend.decode_pool): a GPU's batched decode, checked on CPU
+"""The static decode pool (ragblend.decode.pool): a GPU's batched decode, checked on CPU
 tensors against the per-request decoders for every family."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import engine_for
 
 from ragblend.bench.gpu_ops import OpCounter
+from ragblend.decode.decoder import decode_batch
 from ragblend.errors import RagblendError
-from ragblend.layer_decode import decode_batch
 
 WINDOWED = {"mistral": {"sliding_window": 24}}  # a window shorter than the prompts
 
@@ -129,12 +129,14 @@ def test_decode_pool_settings_are_checked(tokenizer):
 
 
 def test_cuda_graphs_are_for_cuda_pools_only(tokenizer):
-    from ragblend.decode_graph import DecodeGraph
-    from ragblend.decode_pool import DecodePool
+    from ragblend.decode.graph import DecodeGraph
+    from ragblend.decode.pool import DecodePool
 
     pooled, _ = _engines("llama", tokenizer)
     graphs = pooled.with_config(cuda_graphs=True)
     pool = graphs.decode_pool
     assert pool is not None and pool is not pooled.decode_pool and not pool.cuda_graphs
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device, the pool is on cpu"):
-        DecodeGraph(DecodePool(pooled.layers, 2, 16))
+        small = DecodePool(pooled.layers, 2, 16)
+        step = lambda t, p, r: small.forward(t, p, r, slice(0, small.slots))  # noqa: E731
+        DecodeGraph(step, small.slots, small.capacity, small.keys[0].device)

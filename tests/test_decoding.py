@@ -12,9 +12,9 @@ import pytest
 from helpers import tiny_model
 
 from ragblend import BlendConfig, BlendEngine
-from ragblend.decoding import DecodeState, StopStrings, decode_steps
-from ragblend.detokenize import Detokenizer
-from ragblend.sampling import SamplingParams
+from ragblend.decode.detokenize import Detokenizer
+from ragblend.decode.loop import DecodeState, StopStrings, decode_steps
+from ragblend.decode.sampling import SamplingParams
 
 TEXTS = [
     "Thomas Nabbes — an English dramatist, née 1605.",

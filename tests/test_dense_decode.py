@@ -12,9 +12,9 @@ from test_batch_decode import PROMPTS, greedy, start
 from torch import nn
 
 from ragblend import BlendConfig, BlendEngine, cpu
-from ragblend.models import dense_decode
-from ragblend.models import packed as packing
-from ragblend.models.dense_decode import MAX_ROWS, dense_kernel, tolerance
+from ragblend.kernels.cpu import dense_decode
+from ragblend.kernels.cpu import packed as packing
+from ragblend.kernels.cpu.dense_decode import MAX_ROWS, dense_kernel, tolerance
 
 pytestmark = pytest.mark.skipif(
     not cpu.isa_at_least(dense_decode.LEVEL),

@@ -129,7 +129,7 @@ def test_decoding_into_the_static_cache_equals_hf_generate_and_leaves_the_prefil
 ):
     from transformers import StaticCache
 
-    from ragblend.generation import decode_cache
+    from ragblend.decode.generation import decode_cache
 
     engine = engine_for(_model(family), tokenizer)
     prompt = engine.tokenize(QUESTION, CHUNKS)
@@ -153,8 +153,8 @@ def test_decoding_into_the_static_cache_equals_hf_generate_and_leaves_the_prefil
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layerwise_decoding_equals_hf_forward_decoding_token_by_token(family, tokenizer):
-    from ragblend.generation import SamplingParams, decode_tokens
-    from ragblend.layer_decode import LayerDecoder
+    from ragblend.decode.decoder import LayerDecoder
+    from ragblend.decode.generation import SamplingParams, decode_tokens
 
     engine = engine_for(_model(family), tokenizer)
     prompt = engine.tokenize(QUESTION, CHUNKS)
@@ -184,7 +184,7 @@ def test_layerwise_decoding_equals_hf_forward_decoding_token_by_token(family, to
 
 @pytest.mark.parametrize("family", [*sorted(WINDOWED), "gemma3"])
 def test_decoding_with_a_sliding_window_equals_hf_generate(family, tokenizer):
-    from ragblend.layer_decode import LayerDecoder
+    from ragblend.decode.decoder import LayerDecoder
 
     engine = engine_for(_model(family, windowed=True), tokenizer)
     long_prompt = engine.tokenize(QUESTION, CHUNKS[:1]).ids  # longer than the window
@@ -206,7 +206,7 @@ def test_decoding_with_a_sliding_window_equals_hf_generate(family, tokenizer):
 
 
 def test_layerwise_decoding_declines_a_cache_that_does_not_hold_the_whole_prompt(tokenizer):
-    from ragblend.layer_decode import LayerDecoder
+    from ragblend.decode.decoder import LayerDecoder
 
     engine = engine_for(_model(FAMILIES[0]), tokenizer)
     pre = engine.prefill(engine.tokenize(QUESTION, CHUNKS), "full")

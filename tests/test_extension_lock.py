@@ -35,7 +35,7 @@ import logging, sys
 from pathlib import Path
 import torch
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-from ragblend.extensions import load_ops
+from ragblend.kernels.cpu.extensions import load_ops
 ops = load_ops({NAME!r}, ["probe.cpp"], [], csrc=Path(sys.argv[1]))
 assert ops.twice(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
 print("ok")

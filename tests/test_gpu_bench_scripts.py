@@ -185,8 +185,8 @@ def test_gpu_decode_hf_decoder_path():
     gd = load_script("gpu_decode.py")
     from ragblend.bench.shapes import IdTokenizer, build_model
     from ragblend.config import BlendConfig
+    from ragblend.decode.generation import HFDecoder
     from ragblend.engine import BlendEngine
-    from ragblend.generation import HFDecoder
     from ragblend.prompt import TokenizedPrompt
 
     model = build_model("tiny", torch.device("cpu"), torch.float32, 0)

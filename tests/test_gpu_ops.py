@@ -266,7 +266,7 @@ def test_kernels_and_syncs_per_layer_do_not_grow_with_the_chunk_count(bench_resu
 
 
 def test_layer_buckets_follow_the_fused_norm_op_given_a_layers_weight():
-    from ragblend.fusion.cuda import layer_ops
+    from ragblend.kernels.cuda import layer_ops
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -137,7 +137,7 @@ def test_cuda_fused_layer_steps_at_ratio_one_match_hf_full_prefill(
 def test_cuda_pooled_decoding_equals_per_request_decoding(family, graphs, tokenizer, strict_fp32):
     """The static decode pool (a GPU's default) and its CUDA graph (opt-in) against a buffer
     per request: the same greedy tokens, logits to fp32 rounding."""
-    from ragblend.layer_decode import decode_batch
+    from ragblend.decode.decoder import decode_batch
 
     model = tiny_model(family).cuda()
     pooled = engine_for(model, tokenizer, device="cuda", decode_pool_tokens=512, cuda_graphs=graphs)
@@ -290,7 +290,7 @@ def test_a_model_off_the_cpu_gets_no_cpu_kernel_compiled_or_checked(monkeypatch)
     # device stands in for the GPU.
     from torch import nn
 
-    from ragblend.models import packed
+    from ragblend.kernels.cpu import packed
 
     def no_cpu_kernels(*args, **kwargs):
         raise AssertionError("a CPU kernel was asked for a model off the CPU")

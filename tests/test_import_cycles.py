@@ -42,7 +42,7 @@ def test_finds_a_cycle_through_function_level_and_relative_imports(tmp_path):
     assert _checker().find_cycles(pkg) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
 
 
-def test_imports_under_type_checking_are_not_cycles(tmp_path):
+def test_imports_under_type_checking_name_each_other_unless_runtime_only(tmp_path):
     pkg = _package(
         tmp_path,
         {
@@ -56,7 +56,8 @@ def test_imports_under_type_checking_are_not_cycles(tmp_path):
             ),
         },
     )
-    assert _checker().find_cycles(pkg) == []
+    assert _checker().find_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert _checker().find_cycles(pkg, type_checking=False) == []
 
 
 def test_the_else_branch_of_type_checking_runs(tmp_path):
@@ -71,14 +72,30 @@ def test_the_else_branch_of_type_checking_runs(tmp_path):
     assert _checker().find_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
-def test_command_fails_on_a_cycle_and_passes_on_ragblend(tmp_path):
+def test_a_namespace_package_is_named_from_its_distribution_root(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("")
+    ns = tmp_path / "ns" / "sub"
+    ns.mkdir(parents=True)
+    pkg = _package(
+        ns,
+        {"__init__.py": "", "a.py": "import ns.sub.pkg.b\n", "b.py": "from ns.sub.pkg import a\n"},
+    )
+    assert _checker().find_cycles(pkg) == [["ns.sub.pkg.a", "ns.sub.pkg.b", "ns.sub.pkg.a"]]
+
+
+def test_command_fails_on_a_cycle_and_passes_on_ragblend_and_integrations(tmp_path):
     pkg = _package(
         tmp_path, {"__init__.py": "", "a.py": "import pkg.b\n", "b.py": "import pkg.a\n"}
     )
     bad = subprocess.run([sys.executable, str(SCRIPT), str(pkg)], capture_output=True, text=True)
     assert bad.returncode == 1
     assert "import cycle: pkg.a -> pkg.b -> pkg.a" in bad.stdout
+    packages = [
+        REPO / "ragblend",
+        REPO / "integrations" / "langchain-ragblend" / "langchain_ragblend",
+        REPO / "integrations" / "llama-index-llms-ragblend" / "llama_index" / "llms" / "ragblend",
+    ]
     good = subprocess.run(
-        [sys.executable, str(SCRIPT), str(REPO / "ragblend")], capture_output=True, text=True
+        [sys.executable, str(SCRIPT), *map(str, packages)], capture_output=True, text=True
     )
     assert good.returncode == 0, good.stdout

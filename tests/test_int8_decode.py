@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from ragblend import cpu
-from ragblend.models import int8_decode, int8_reference
-from ragblend.models.int8_decode import AUTO_BY_LEVEL, int8_kernels, resolve, step_activations
-from ragblend.models.quant_kernels import (
+from ragblend.kernels.cpu import int8_decode, int8_reference
+from ragblend.kernels.cpu.int8_decode import (
+    AUTO_BY_LEVEL,
+    int8_kernels,
+    resolve_decode_activations,
+    step_activations,
+)
+from ragblend.kernels.cpu.quant_kernels import (
     QUANT_TYPES,
     dequantize_reference,
     quant_kernels,
@@ -242,7 +247,7 @@ def test_a_wide_build_that_fails_its_check_leaves_the_next_build_with_one_warnin
 
     monkeypatch.setattr(int8_decode, "_BUILT", None)
     monkeypatch.setattr(int8_decode, "check", failing)
-    with caplog.at_level(logging.WARNING, logger="ragblend.models.int8_decode"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.kernels.cpu.int8_decode"):
         kernels = int8_kernels()
         assert int8_kernels() is kernels
     assert kernels is not None and kernels.build == runnable[1]
@@ -266,8 +271,11 @@ def test_a_kernel_off_the_reference_fails_the_check():
 @pytest.mark.parametrize("level", list(AUTO_BY_LEVEL))
 def test_auto_follows_its_table_at_every_level(monkeypatch, level):
     monkeypatch.setattr(cpu, "cpu_isa", lambda: level)
-    assert resolve("auto") == AUTO_BY_LEVEL[level].mode
-    assert resolve("float") == "float" and resolve("int8") == "int8"
+    assert resolve_decode_activations("auto") == AUTO_BY_LEVEL[level].mode
+    assert (
+        resolve_decode_activations("float") == "float"
+        and resolve_decode_activations("int8") == "int8"
+    )
     assert AUTO_BY_LEVEL[level].measured  # where the choice comes from is said
 
 
@@ -278,7 +286,7 @@ def test_an_unknown_setting_is_a_clear_error():
     with pytest.raises(RagblendError, match="decode_activations"):
         BlendConfig(decode_activations="int4")  # type: ignore[arg-type]
     with pytest.raises(RagblendError, match="decode_activations"):
-        resolve("int4")
+        resolve_decode_activations("int4")
 
 
 def _linear(qtype: int = 12, rows: int = 48, cols: int = 512) -> QuantLinear:
@@ -328,7 +336,7 @@ def test_where_the_kernels_cannot_run_int8_decodes_in_float_with_a_warning(monke
     monkeypatch.setattr(cpu, "cpu_isa", lambda: "baseline")
     monkeypatch.setattr(cpu, "isa_at_least", lambda level: False)
     model = nn.Sequential(_linear())
-    with caplog.at_level(logging.WARNING, logger="ragblend.models.int8_decode"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.kernels.cpu.int8_decode"):
         assert decode_activations_for(model, "int8") == "float"
         assert decode_activations_for(model, "int8") == "float"
     assert sum("8-bit decode activations are off" in r.message for r in caplog.records) == 1
@@ -352,8 +360,8 @@ def test_an_int8_engine_decodes_near_float_and_prefills_exactly(tiny_gguf):
     from conftest import CHUNKS, QUESTION
 
     from ragblend import BlendConfig, BlendEngine
+    from ragblend.decode.decoder import decode_batch
     from ragblend.errors import RagblendError
-    from ragblend.layer_decode import decode_batch
 
     engine = BlendEngine.from_pretrained(
         str(tiny_gguf), config=BlendConfig(dtype="float32", decode_activations="int8")

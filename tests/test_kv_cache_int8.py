@@ -12,9 +12,11 @@ from conftest import CHUNKS, QUESTION
 
 from ragblend import cpu
 from ragblend.cli import build_parser
+from ragblend.decode.decoder import LayerDecoder, decode_batch
+from ragblend.decode.generation import HFDecoder, decoder_for
 from ragblend.errors import RagblendError
-from ragblend.fusion.cpu import decode_q8
-from ragblend.fusion.cpu.decode_q8 import (
+from ragblend.kernels.cpu import decode_q8
+from ragblend.kernels.cpu.decode_q8 import (
     Q8_BUILDS,
     attend_q8_torch,
     dequantize_q8,
@@ -23,8 +25,6 @@ from ragblend.fusion.cpu.decode_q8 import (
     q8_kernel,
     quantize_q8,
 )
-from ragblend.generation import HFDecoder, decoder_for
-from ragblend.layer_decode import LayerDecoder, decode_batch
 
 PROMPTS = ["Hello there, how are you", "The capital of France is a city", "1 2 3 4 5 6 7 8 9"]
 
@@ -125,7 +125,7 @@ def test_a_wide_build_that_does_not_run_leaves_the_avx2_one_with_one_warning(mon
     monkeypatch.setattr(cpu, "isa_at_least", lambda level: True)
     broken = wide._replace(name="ragblend_decode_q8_broken", flags=(*wide.flags, "-fno-such"))
     monkeypatch.setattr(decode_q8, "Q8_BUILDS", ((broken, 16), Q8_BUILDS[1]))
-    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.cpu.decode_q8"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.kernels.cpu.decode_q8"):
         kernel = native_q8(64)
         assert native_q8(64) is kernel
     assert kernel is not None
@@ -215,7 +215,7 @@ def test_a_batch_mixing_cache_dtypes_is_a_clear_error(engine, prefills):
 
 def test_the_hf_decoder_keeps_its_dtype_and_says_so_once(engine, prefills, caplog):
     pre = prefills[0]
-    with caplog.at_level(logging.WARNING, logger="ragblend.generation"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.decode.generation"):
         for _ in range(2):
             hf = decoder_for(engine.model, None, pre, len(pre.prompt_ids) + 2, None, "int8")
             assert isinstance(hf, HFDecoder)

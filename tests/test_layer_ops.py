@@ -1,4 +1,4 @@
-"""The fused layer steps (ragblend.fusion.cuda.layer_ops) and joined linears: HF's values by
+"""The fused layer steps (ragblend.kernels.cuda.layer_ops) and joined linears: HF's values by
 construction, one registered op per step, every family's ratio 1.0 still HF's full prefill."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from transformers.models.llama.modeling_llama import (
 
 from ragblend import BlendConfig
 from ragblend.errors import RagblendError
-from ragblend.fusion.cuda import layer_ops
-from ragblend.fusion.cuda.layer_ops import REFERENCE, LayerKernels
-from ragblend.fusion.cuda.loading import layer_kernels, mismatch
+from ragblend.kernels.cuda import layer_ops
+from ragblend.kernels.cuda.layer_ops import REFERENCE, LayerKernels
+from ragblend.kernels.cuda.loading import layer_kernels, mismatch
 from ragblend.models.joined import join_linears, joinable
 
 GEN = torch.Generator().manual_seed(0)
@@ -213,7 +213,7 @@ def test_fused_steps_give_the_hf_modules_blend_and_reuse(fused_engine, mode):
 
 
 def test_native_cpu_kernels_take_precedence_over_the_fused_steps(tokenizer):
-    from ragblend.fusion.cpu.native import cpu_runs_kernel
+    from ragblend.kernels.cpu.native import cpu_runs_kernel
 
     if not cpu_runs_kernel(torch.float32):
         pytest.skip("this CPU runs no native fp32 kernels")

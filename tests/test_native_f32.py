@@ -16,7 +16,7 @@ from helpers import engine_for
 from test_fusion_mask_and_selection import _reference_rows
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.cpu import native
+from ragblend.kernels.cpu import native
 
 ATOL = 2e-5
 F32 = torch.float32
@@ -152,7 +152,7 @@ def test_kernels_that_fail_the_load_check_are_not_used(monkeypatch, caplog):
 
     monkeypatch.setattr(native, "build_kernels", failing_build)
     monkeypatch.setattr(native, "_WARNED", set())
-    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.cpu.native"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.kernels.cpu.native"):
         assert native.native_kernels("auto", F32, CPU, 64) is None
     assert "does not match" in caplog.text and "SDPA blocks instead" in caplog.text
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragblend.models.dense_decode import tolerance
-from ragblend.models.quant_kernels import (
+from ragblend.kernels.cpu.dense_decode import tolerance
+from ragblend.kernels.cpu.quant_kernels import (
     MAX_ROWS,
     QUANT_TYPES,
     SCALE_FIELDS,
@@ -300,7 +300,7 @@ def test_random_blocks_have_finite_scales_of_the_asked_size():
 
 
 def test_below_avx2_there_are_no_kernels_and_one_warning(monkeypatch, caplog):
-    from ragblend.models import quant_kernels as module
+    from ragblend.kernels.cpu import quant_kernels as module
 
     monkeypatch.setattr(module, "_BUILT", None)
     monkeypatch.setenv("RAGBLEND_CPU_ISA", "baseline")
@@ -312,7 +312,7 @@ def test_below_avx2_there_are_no_kernels_and_one_warning(monkeypatch, caplog):
 
 
 def test_a_failing_check_turns_the_kernels_off(monkeypatch, caplog):
-    from ragblend.models import quant_kernels as module
+    from ragblend.kernels.cpu import quant_kernels as module
 
     def wrong(kernels, qtype):
         raise RuntimeError(f"{QUANT_TYPES[qtype]} dequantize does not match gguf's bit for bit")
@@ -326,14 +326,14 @@ def test_a_failing_check_turns_the_kernels_off(monkeypatch, caplog):
 
 def test_the_widest_build_the_cpu_level_allows_is_used():
     from ragblend import cpu
-    from ragblend.models.quant_kernels import BUILDS
+    from ragblend.kernels.cpu.quant_kernels import BUILDS
 
     allowed = [b.level for b in BUILDS if cpu.isa_at_least(b.level)]
     assert _kernels().level == allowed[0]
 
 
 def test_a_failing_wider_build_falls_back_to_the_next_with_one_warning(monkeypatch, caplog):
-    from ragblend.models import quant_kernels as module
+    from ragblend.kernels.cpu import quant_kernels as module
 
     checked = module._check
 

@@ -16,10 +16,10 @@ from gguf_files import write_gguf
 from torch import nn
 
 from ragblend import BlendConfig, BlendEngine
-from ragblend.layer_decode import LayerDecoder, decode_batch
+from ragblend.decode.decoder import LayerDecoder, decode_batch
+from ragblend.kernels.cpu.quant_kernels import quant_kernels
 from ragblend.models.loading import load_model
 from ragblend.models.packed import pack_decode_linears, qkv_projections
-from ragblend.models.quant_kernels import quant_kernels
 from ragblend.models.quantized import (
     QuantEmbedding,
     QuantLinear,

@@ -18,7 +18,7 @@ from test_fusion_mask_and_selection import _reference_rows
 from ragblend import BlendConfig
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.cpu import native
+from ragblend.kernels.cpu import native
 
 SLACK = 1.5
 FLOOR = 2e-3
@@ -152,7 +152,7 @@ def test_a_capable_cpu_that_cannot_build_the_kernel_warns_and_uses_sdpa(monkeypa
     monkeypatch.setattr(native, "build_kernels", no_compiler)
     monkeypatch.setattr(native, "_WARNED", set())
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.cpu.native"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.kernels.cpu.native"):
         assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None
         assert native.native_kernels("auto", torch.bfloat16, cpu, 64) is None  # a 2nd engine
     assert caplog.text.count("no c++") == 1 and "SDPA blocks" in caplog.text
@@ -248,7 +248,7 @@ def test_a_norm_kernel_that_differs_from_torch_is_not_used(caplog):
         return (weight * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
 
     assert native._rms_norm_if_exact(hf) is hf
-    with caplog.at_level(logging.WARNING, logger="ragblend.fusion.cpu.native"):
+    with caplog.at_level(logging.WARNING, logger="ragblend.kernels.cpu.native"):
         assert native._rms_norm_if_exact(one_rounding_fewer) is None
     assert "does not match torch" in caplog.text
 

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from ragblend.errors import RagblendError
-from ragblend.sampling import (
+from ragblend.decode.sampling import (
     Sampler,
     SamplingParams,
     apply_penalties,
     greedy_choices,
     token_logprobs,
 )
+from ragblend.errors import RagblendError
 
 
 def test_penalties_match_a_hand_computation():

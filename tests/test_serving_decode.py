@@ -94,7 +94,7 @@ def test_a_server_on_the_static_decode_pool_answers_as_the_engine_alone(tokenize
     each answer the in-process one's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ragblend.decode_pool import DecodePool
+    from ragblend.decode.pool import DecodePool
 
     pooled_steps = []
     forward = DecodePool.forward

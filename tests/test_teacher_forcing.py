@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import CHUNKS, QUESTION
 
-from ragblend.generation import SamplingParams, decode_tokens, teacher_forced_logits
+from ragblend.decode.generation import SamplingParams, decode_tokens, teacher_forced_logits
 
 NUMERICS = [
     {"decode_activations": "float", "kv_cache_dtype": "auto"},

@@ -1,5 +1,5 @@
-"""The Triton layer kernels (:mod:`ragblend.fusion.cuda.triton_layer`) against the torch
-references of :mod:`ragblend.fusion.cuda.layer_ops`: compiled on CUDA tensors where there is
+"""The Triton layer kernels (:mod:`ragblend.kernels.cuda.triton_layer`) against the torch
+references of :mod:`ragblend.kernels.cuda.layer_ops`: compiled on CUDA tensors where there is
 a GPU, else run by Triton's interpreter over CPU tensors (``conftest.py`` sets
 ``TRITON_INTERPRET=1`` on a machine without CUDA before anything imports triton: triton and
 its language's own functions are made interpreted or compiled when it is first imported).
@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import torch
 
-from ragblend.fusion.cuda.layer_ops import LayerImpl
+from ragblend.kernels.cuda.layer_ops import LayerImpl
 
 pytest.importorskip("triton")
 
-from ragblend.fusion.cuda import layer_ops as ref  # noqa: E402
-from ragblend.fusion.cuda import triton_layer as TL  # noqa: E402
+from ragblend.kernels.cuda import layer_ops as ref  # noqa: E402
+from ragblend.kernels.cuda import triton_layer as TL  # noqa: E402
 
 
 def _load(name: str) -> ModuleType:

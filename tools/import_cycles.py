@@ -1,9 +1,11 @@
 """Fail on an import cycle between the modules of a package.
 
-Usage: ``python tools/import_cycles.py ragblend`` (a package directory). Builds the graph of
-imports between the package's own modules with the standard library's ``ast``, including
-imports inside functions (they still run, only later) and leaving out imports under
-``if TYPE_CHECKING:`` (never run). Prints each cycle and exits 1 when there is one, 0 otherwise.
+Usage: ``python tools/import_cycles.py [--runtime-only] PACKAGE_DIR...`` (package
+directories). Builds the graph of imports between each package's own modules with the standard
+library's ``ast``, including imports inside functions (they still run, only later) and, unless
+``--runtime-only``, imports under ``if TYPE_CHECKING:``: two modules that name each other only
+for type hints still cannot be read, tested or moved alone. Prints each cycle and exits 1 when
+there is one, 0 otherwise.
 
 An import edge points at the most specific module it names: ``from pkg.sub import name`` is an
 edge to ``pkg.sub.name`` when that is a module, to ``pkg.sub`` otherwise.
@@ -18,12 +20,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _distribution_root(package: Path) -> Path:
+    """The directory dotted names start from: the nearest ancestor with a ``pyproject.toml``
+    (so a namespace package such as ``llama_index/llms/ragblend`` gets its full name), else the
+    package's parent."""
+    for ancestor in package.parents:
+        if (ancestor / "pyproject.toml").is_file():
+            return ancestor
+    return package.parent
+
+
 def module_files(package_dir: Path) -> dict[str, Path]:
     """Every module of the package under ``package_dir``, by dotted name."""
     root = package_dir.resolve()
+    base = _distribution_root(root)
     modules = {}
     for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        parts = list(path.relative_to(base).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
@@ -36,21 +49,22 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The import statements under ``node`` that run, i.e. not under ``if TYPE_CHECKING:``."""
+def _imports(node: ast.AST, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements under ``node``; those under ``if TYPE_CHECKING:`` (never run)
+    only with ``type_checking``."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
             for other in child.orelse:
-                yield from _runtime_imports_of(other)
+                yield from _imports_of(other, type_checking)
             continue
-        yield from _runtime_imports_of(child)
+        yield from _imports_of(child, type_checking)
 
 
-def _runtime_imports_of(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports_of(node: ast.AST, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node
     else:
-        yield from _runtime_imports(node)
+        yield from _imports(node, type_checking)
 
 
 def _base_of(name: str, node: ast.ImportFrom, is_package: bool) -> str:
@@ -62,14 +76,15 @@ def _base_of(name: str, node: ast.ImportFrom, is_package: bool) -> str:
     return ".".join(anchor + ([node.module] if node.module else []))
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module → the package's modules it imports at run time."""
+def import_graph(package_dir: Path, type_checking: bool = True) -> dict[str, set[str]]:
+    """Module → the package's modules it names in an import (at run time only, without
+    ``type_checking``)."""
     modules = module_files(package_dir)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         targets: set[str] = set()
-        for node in _runtime_imports(tree):
+        for node in _imports(tree, type_checking):
             if isinstance(node, ast.Import):
                 candidates = [alias.name for alias in node.names]
             else:
@@ -142,23 +157,30 @@ def shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str
     raise AssertionError("a strongly connected component always has a cycle")
 
 
-def find_cycles(package_dir: Path) -> list[list[str]]:
+def find_cycles(package_dir: Path, type_checking: bool = True) -> list[list[str]]:
     """One shortest cycle per group of mutually importing modules, as module paths
     ``[a, b, ..., a]``; empty when the package has no import cycle."""
-    graph = import_graph(package_dir)
+    graph = import_graph(package_dir, type_checking)
     return [shortest_cycle(graph, c) for c in strongly_connected(graph)]
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0], "__init__.py").is_file():
-        print("usage: python tools/import_cycles.py PACKAGE_DIR", file=sys.stderr)
+    type_checking = "--runtime-only" not in argv
+    packages = [arg for arg in argv if arg != "--runtime-only"]
+    if not packages or not all(Path(p, "__init__.py").is_file() for p in packages):
+        print(
+            "usage: python tools/import_cycles.py [--runtime-only] PACKAGE_DIR...", file=sys.stderr
+        )
         return 2
-    cycles = find_cycles(Path(argv[0]))
-    for cycle in cycles:
-        print("import cycle: " + " -> ".join(cycle))
-    if not cycles:
-        print(f"{argv[0]}: no import cycles")
-    return 1 if cycles else 0
+    failed = False
+    for package in packages:
+        cycles = find_cycles(Path(package), type_checking)
+        for cycle in cycles:
+            print("import cycle: " + " -> ".join(cycle))
+        if not cycles:
+            print(f"{package}: no import cycles")
+        failed = failed or bool(cycles)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from ragblend.config import (
     BlendConfig,
     kv_dtype_argument,
 )
-from ragblend.fusion.cpu.native import ROW_ATTENTION
+from ragblend.kernels import ROW_ATTENTION
 from ragblend.models.gguf import WEIGHTS
 from ragblend.models.quantized import quantized_weights, weight_bytes
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store

@@ -74,7 +74,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-import ragblend.fusion.cuda.layer_ops  # noqa: F401  (registers the fused ops counted here)
+import ragblend.kernels.cuda.layer_ops  # noqa: F401  (registers the fused ops counted here)
 
 Bucket = str | int  # "setup", a layer index, or "tail"
 
@@ -187,7 +187,9 @@ REPEAT_INTERLEAVE: Any = _aten.repeat_interleave
 KEEP_WHOLE: frozenset[Any] = _packets(("scaled_dot_product_attention",))
 
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
-_FUSED_NORM: Any = torch.ops.ragblend_layer.rms_norm  # registered by ragblend.fusion.cuda.layer_ops
+_FUSED_NORM: Any = (
+    torch.ops.ragblend_layer.rms_norm
+)  # registered by ragblend.kernels.cuda.layer_ops
 
 # Tensor methods that read device data on the host; on CPU most dispatch nothing, so they are
 # seen at the torch-function level (and counted there only).

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend.errors import RagblendError
-from ragblend.fusion.cpu.native import RowKernel
+from ragblend.kernels import RowKernel
 
 # Selected rows are split into this many position-ordered blocks at most; each block only
 # reads keys up to its last row's position, which recovers most of causal attention's saving.
@@ -50,7 +50,7 @@ class RowAttentionPlan:
     The selected rows only change at check layers, so masks are built once per selection
     (and sliding window) instead of once per layer. Given ``num_keys`` (the prompt length),
     rows that end the prompt contiguously get no masks: they take the causal path. Given a
-    native ``kernel`` (:mod:`ragblend.fusion.cpu.native`) and no sliding window, other row sets
+    native ``kernel`` (:mod:`ragblend.kernels.cpu.native`) and no sliding window, other row sets
     get no masks either: the kernel reads each row's own keys; and with ``exact_causal``
     off it takes rows that end the prompt too (4.5x SDPA's causal kernel in bf16 on a CPU
     without AMX, 1.1x in fp32), which ``exact_causal`` keeps on SDPA's causal kernel: the

@@ -9,8 +9,6 @@ import torch
 
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
-from ragblend.fusion.cpu.native import NativeKernels, RopeKernel
-from ragblend.fusion.cuda.layer_ops import LayerKernels
 from ragblend.fusion.rows import PromptRows, prompt_rows
 from ragblend.fusion.selection import (
     cached_key_temper,
@@ -20,6 +18,7 @@ from ragblend.fusion.selection import (
 )
 from ragblend.fusion.selectors import CheckLayer, TokenSelector
 from ragblend.fusion.trace import FusionTrace
+from ragblend.kernels import LayerKernels, NativeKernels, RopeKernel
 from ragblend.models.adapters import LayerwiseModel
 from ragblend.store.base import KVEntry
 
@@ -82,7 +81,7 @@ def fuse(
     filtering) and needs a ``selector``; ``None`` recomputes every non-exact row on every layer
     (ratio 1.0), ``[]`` recomputes only rows without a cache (full KV reuse).
     ``native``: ragblend's CPU kernels for selected-row attention, RoPE and RMSNorm
-    (:mod:`ragblend.fusion.cpu.native`), or ``None`` for SDPA and HF's modules. ``gpu_path``: the
+    (:mod:`ragblend.kernels.cpu.native`), or ``None`` for SDPA and HF's modules. ``gpu_path``: the
     kernels a GPU runs (launches cost more than bytes there): selected rows attend in one SDPA
     call per layer with a mask built on the device, not in position-ordered blocks that read
     the rows' positions on the host, and the cached-key temperature scales one copy of the

@@ -24,15 +24,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from ragblend.store.base import ChunkKV, KVEntry
 from ragblend.store.quant import FLOAT_KV_DTYPES
 
-if TYPE_CHECKING:
-    from ragblend.fusion.layer_loader import LayerLoader
+
+class StagedLoad(Protocol):
+    """What a :class:`Stager` stages for (a :class:`~ragblend.fusion.layer_loader.LayerLoader`):
+    the segments' entries (None = computed here) and lengths, the (KV heads, head dim) shape,
+    where and in what dtype the fusor reads, and how many layers it loads ahead; batched
+    reads of a layer, and gathering one whose segments are all on the device already."""
+
+    caches: list[KVEntry | None]
+    lengths: list[int]
+    shape: tuple[int, int]
+    device: torch.device
+    dtype: torch.dtype
+    prefetch: int
+
+    @property
+    def total(self) -> int: ...
+
+    def fetch_batched(self, layer: int) -> None: ...
+
+    def gather(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 class CopyEvent(Protocol):
@@ -127,7 +145,7 @@ class Stager:
     device, all of them by one ``cat`` per tensor when nothing else is in the layer.
     """
 
-    def __init__(self, loader: LayerLoader, copies: Copies) -> None:
+    def __init__(self, loader: StagedLoad, copies: Copies) -> None:
         self.loader = loader
         self.copies = copies
         heads, dim = loader.shape

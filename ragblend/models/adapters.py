@@ -18,8 +18,7 @@ from ragblend.models.joined import JoinedLinear, join_linears
 from ragblend.models.packed import qkv_projections
 
 if TYPE_CHECKING:
-    from ragblend.fusion.cpu.native import NativeKernels, NormKernel, RopeKernel
-    from ragblend.fusion.cuda.layer_ops import LayerKernels
+    from ragblend.kernels import LayerKernels, NativeKernels, NormKernel, RopeKernel
 
 # The RMSNorm classes whose forward is LlamaRMSNorm's (what ragblend's native norm computes).
 LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -192,7 +191,7 @@ class LayerwiseModel:
         ``rope_``: an in-place RoPE with HF's values for this family (ragblend's native one,
         see ``LayerwiseModel.rotate_``) to use instead of ``apply_rotary_pos_emb``; ``norm``:
         the same for the layer norms (for ``llama_rms_norms`` models). ``kernels``: the fused
-        device steps (:mod:`ragblend.fusion.cuda.layer_ops`) for the norm and the RoPE of q
+        device steps (:mod:`ragblend.kernels.cuda.layer_ops`) for the norm and the RoPE of q
         and k where this family's are Llama's, with q/k/v in one matmul (:meth:`joined`)."""
         block = self.layers[layer]
         x = self._norm(block.input_layernorm, hidden, norm, kernels)

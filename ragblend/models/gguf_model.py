@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ragblend.errors import RagblendError
+from ragblend.kernels import QUANT_TYPES, quant_kernels
 from ragblend.models.gguf import SOURCE_FILE, check_weights, mapped_tensors
-from ragblend.models.quant_kernels import QUANT_TYPES, quant_kernels
 from ragblend.models.quantized import (
     QuantEmbedding,
     QuantizedWeight,

@@ -6,7 +6,7 @@ re-packs them on every call; the same oneDNN primitive with the weight reordered
 a small batch (what inductor's weight prepacking does) reads them up to 4× faster:
 
 - **bf16** at the ``avx512`` CPU level and above: inputs of up to 16 rows go to ragblend's
-  native kernel (:mod:`ragblend.models.dense_decode`), which reads the module's own weight
+  native kernel (:mod:`ragblend.kernels.cpu.dense_decode`), which reads the module's own weight
   once for all rows, in place, and gives each row the same output whatever the rows beside it
   by construction (each row's fp32 sums run in a fixed order); its outputs are within a bf16
   ulp of ``F.linear``'s (another fp32 summation order flips a rounding in ~1 value in 10^4).
@@ -55,8 +55,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragblend import cpu
-from ragblend.models import dense_decode, quantized
-from ragblend.models.dense_decode import DenseKernel
+from ragblend.kernels.cpu import dense_decode
+from ragblend.kernels.cpu.dense_decode import DenseKernel
+from ragblend.models import quantized
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A GGUF's Q4_0 … Q6_K tensors stay as their blocks (uint8 [rows, row_bytes], me
 the file): 4.5-8.5 bits a weight instead of 32. Two kinds of call read them:
 
 - **decode steps** (at most :data:`MAX_ROWS` input rows): a native kernel multiplies the
-  rows by the blocks directly (:mod:`ragblend.models.quant_kernels`), reading the weights once
+  rows by the blocks directly (:mod:`ragblend.kernels.cpu.quant_kernels`), reading the weights once
   for all rows; each row's output is the same whatever the rows beside it, and equals
   dequantize + ``F.linear`` to fp32 rounding.
 - **prefills** (more rows): the blocks are dequantized into the compute dtype and
@@ -26,12 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragblend.models.int8_decode import in_int8_step, int8_kernels, resolve
-from ragblend.models.quant_kernels import (
+from ragblend.kernels import (
     MAX_ROWS,
     QUANT_TYPES,
     dequantize_reference,
+    in_int8_step,
+    int8_kernels,
     quant_kernels,
+    resolve_decode_activations,
 )
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class QuantizedWeight:
         """fp32 or bf16 ``x`` [n, cols] @ weights.T (+ ``bias``) → [n, rows] in x's dtype on
         the blocks, for ``n`` ≤ :data:`MAX_ROWS` (bf16: the fp32 result rounded to bf16, or
         with ``avx512_bf16`` kernels the products of the weights rounded to bf16, as
-        :mod:`~ragblend.models.quant_kernels` says); None where the kernels do not run here."""
+        :mod:`~ragblend.kernels.cpu.quant_kernels` says); None where the kernels do not run here."""
         kernels = quant_kernels()
         if kernels is None or x.shape[0] > MAX_ROWS:
             return None
@@ -109,8 +111,8 @@ class QuantLinear(nn.Module):
     """``nn.Linear`` over a :class:`QuantizedWeight` (``bias`` in the compute dtype or None).
 
     ``dtype`` is the compute dtype: a prefill's dense weights and every output are in it.
-    Inside an int8 decode step (:func:`ragblend.models.int8_decode.step_activations`), inputs of up
-    to :data:`MAX_ROWS` rows take llama.cpp's 8-bit-activation arithmetic instead."""
+    Inside an int8 decode step (:func:`ragblend.kernels.step_activations`), inputs of up to
+    :data:`MAX_ROWS` rows take llama.cpp's 8-bit-activation arithmetic instead."""
 
     def __init__(
         self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
@@ -272,10 +274,10 @@ def decode_path(model: nn.Module) -> str | None:
 def decode_activations_for(model: nn.Module, mode: str) -> str:
     """What ``model``'s decode steps use for ``BlendConfig.decode_activations`` ``mode``
     (``"auto"``, ``"float"`` or ``"int8"``): ``"int8"`` where it resolves to int8
-    (:func:`ragblend.models.int8_decode.resolve`), the model has quantized linears and the
+    (:func:`ragblend.kernels.resolve_decode_activations`), the model has quantized linears and the
     int8 kernels run here (else one warning per process, and ``"float"``); ``"float"``
     otherwise."""
-    if resolve(mode) != "int8":
+    if resolve_decode_activations(mode) != "int8":
         return "float"
     if not any(isinstance(m, QuantLinear) for m in model.modules()):
         return "float"

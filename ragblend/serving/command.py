@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ragblend.config import DECODE_ACTIVATIONS, KV_CACHE_DTYPES, kv_dtype_argument
 from ragblend.errors import RagblendError
-from ragblend.fusion.cuda.layer_ops import LAYER_KERNELS
+from ragblend.kernels import LAYER_KERNELS
 from ragblend.store.cli import StoreFlags, add_store_arguments, open_store
 
 log = logging.getLogger(__name__)

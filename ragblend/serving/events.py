@@ -7,9 +7,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ragblend.generation import BlendStats
+from ragblend.decode import BlendStats, SamplingParams, TokenLogprobs
 from ragblend.prompt import TokenizedPrompt
-from ragblend.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass

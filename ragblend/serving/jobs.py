@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ragblend.decode import SamplingParams
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
 from ragblend.fallback import NO_KNOWN_CHUNK
 from ragblend.matching import chunked_prompt
 from ragblend.prompt import TokenizedPrompt
-from ragblend.sampling import SamplingParams
 from ragblend.serving.events import GenerationJob
 from ragblend.serving.protocol import (
     ChatCompletionRequest,

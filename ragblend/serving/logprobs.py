@@ -2,14 +2,14 @@
 completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``.
 
 Values are the log-softmax of the model's raw logits at each step (before penalties,
-temperature, top-k and top-p: vLLM's default), see ``ragblend.sampling.token_logprobs``.
+temperature, top-k and top-p: vLLM's default), see ``ragblend.decode.sampling.token_logprobs``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ragblend.sampling import TokenLogprobs
+from ragblend.decode import TokenLogprobs
 
 
 def token_text(tokenizer, token: int) -> str:

@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ragblend.generation import BlendStats
+from ragblend.decode import BlendStats
 
 # TTFT from ~10 ms (a blended prompt on a GPU) to a minute (a long full prefill on a small CPU)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

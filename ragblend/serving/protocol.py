@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragblend.generation import BlendStats
+from ragblend.decode import BlendStats
 
 ModeName = Literal["full", "prefix", "reuse", "blend"]
 

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragblend.decoding import DecodeState
-from ragblend.generation import BlendStats, HFDecoder
-from ragblend.layer_decode import LayerDecoder
-from ragblend.sampling import TokenLogprobs, token_logprobs
+from ragblend.decode import (
+    BlendStats,
+    DecodeState,
+    HFDecoder,
+    LayerDecoder,
+    TokenLogprobs,
+    token_logprobs,
+)
 from ragblend.serving.events import Delta, Finished, GenerationJob, RequestHandle
 from ragblend.serving.metrics import ServerMetrics
 
@@ -18,7 +22,7 @@ from ragblend.serving.metrics import ServerMetrics
 @dataclass
 class RunningRequest:
     """A request holding a slot: each step's logits go through :meth:`choose`; its
-    :class:`~ragblend.decoding.DecodeState` says what to send and when the answer ends."""
+    :class:`~ragblend.decode.loop.DecodeState` says what to send and when the answer ends."""
 
     handle: RequestHandle
     job: GenerationJob

@@ -9,9 +9,9 @@ computation of the server (one OpenMP team, see ``ragblend.threads``), in a loop
 3. one waiting request is admitted into a free slot: its prefill (blend makes it short) runs
    and its first token is sent;
 4. every running request decodes one token, all as one batch
-   (:func:`ragblend.layer_decode.decode_batch`: one GEMM per linear over all their rows,
+   (:func:`ragblend.decode.decoder.decode_batch`: one GEMM per linear over all their rows,
    attention per request over its own cache); the greedy requests' tokens are chosen by one
-   argmax over their rows (:func:`ragblend.sampling.greedy_choices`), the others' each by
+   argmax over their rows (:func:`ragblend.decode.sampling.greedy_choices`), the others' each by
    its own sampler.
 
 So a new request waits at most one decode step for its prefill, and running requests pause
@@ -32,13 +32,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ragblend.decoding import DecodeState
+from ragblend.decode import (
+    BlendStats,
+    DecodeState,
+    HFDecoder,
+    LayerDecoder,
+    Prefill,
+    decode_batch,
+    greedy_choices,
+)
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError
 from ragblend.fallback import fall_back
-from ragblend.generation import BlendStats, HFDecoder, Prefill
-from ragblend.layer_decode import LayerDecoder, decode_batch
-from ragblend.sampling import greedy_choices
 from ragblend.serving.events import Failed, GenerationJob, QueueFull, RequestHandle, Unavailable
 from ragblend.serving.jobs import NO_CHUNK
 from ragblend.serving.metrics import ServerMetrics

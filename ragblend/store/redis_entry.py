@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import xxhash
@@ -19,11 +19,18 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ragblend.errors import CorruptEntryError
-from ragblend.store.base import ChunkKV, KVEntry
+from ragblend.store.base import ChunkKV, KVEntry, LayerBatcher
 from ragblend.store.quant import decode_layer
 
-if TYPE_CHECKING:
-    from ragblend.store.redis import RedisStore
+
+class EntryServer(LayerBatcher, Protocol):
+    """What an entry needs of its store (:class:`~ragblend.store.redis.RedisStore`): layer
+    reads batched over entries, how many layers one read fetches, and dropping a bad entry."""
+
+    layers_per_fetch: int
+
+    def drop(self, key: str, reason: str | None = None) -> None: ...
+
 
 FORMAT_VERSION = 1
 HEADER = "header"
@@ -68,7 +75,7 @@ def encode_entry(key: str, kv: KVEntry) -> dict[str, bytes]:
 class RedisEntry:
     """One entry in Redis, read layer by layer (each layer verified against the header)."""
 
-    def __init__(self, store: RedisStore, key: str, header: dict) -> None:
+    def __init__(self, store: EntryServer, key: str, header: dict) -> None:
         self._store = store
         self.key = key
         self.header = header
@@ -99,7 +106,7 @@ class RedisEntry:
                 stored = self._stored[index]
         return stored
 
-    def layer_batcher(self) -> tuple[RedisStore, RedisEntry]:
+    def layer_batcher(self) -> tuple[EntryServer, RedisEntry]:
         return self._store, self
 
     def _wanted(self, index: int) -> list[int]:

@@ -1,7 +1,7 @@
 """LlamaIndex integration for ragblend (CacheBlend: fused chunk KV caches for RAG)."""
 
-from llama_index.llms.ragblend.base import BlendLLM
 from llama_index.llms.ragblend.embeddings import MiniLMEmbedding
+from llama_index.llms.ragblend.llm import BlendLLM
 from llama_index.llms.ragblend.prompts import qa_prompt_format
 from llama_index.llms.ragblend.query_engine import (
     WarmingRetriever,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -42,12 +41,6 @@ from ragblend.prompt import encode
 from ragblend.threads import run_in_fresh_thread
 from ragblend.warmup import BACKLOG, RETRIEVAL, WarmupPool
 
-if TYPE_CHECKING:
-    from llama_index.core.indices.base import BaseIndex
-    from llama_index.core.query_engine import RetrieverQueryEngine
-
-    from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
-
 log = logging.getLogger(__name__)
 
 
@@ -75,7 +68,7 @@ _ROLES = {
 }
 
 
-class BlendLLM(CustomLLM):
+class BaseBlendLLM(CustomLLM):
     """LlamaIndex LLM on a ragblend :class:`BlendEngine` (CacheBlend KV fusion for RAG).
 
     Without chunks it is a plain local chat model (full prefill). Retrieved chunks reach the
@@ -426,34 +419,6 @@ class BlendLLM(CustomLLM):
             queue, self._warmup = self._warmup, None
         if queue is not None:
             queue.close()
-
-    # ------------------------------------------------------------------ deprecated aliases
-    # query_engine.py imports this module, hence the imports at call time.
-    def as_query_engine(self, index: BaseIndex, **kwargs: Any) -> RetrieverQueryEngine:
-        """Deprecated since 0.1.0: use ``blend_query_engine(llm, index, ...)``
-        (:mod:`llama_index.llms.ragblend.query_engine`), which this calls."""
-        from llama_index.llms.ragblend.query_engine import blend_query_engine
-
-        warnings.warn(
-            "BlendLLM.as_query_engine(index, ...) is deprecated; use "
-            "llama_index.llms.ragblend.blend_query_engine(llm, index, ...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return blend_query_engine(self, index, **kwargs)
-
-    def synthesizer(self, **kwargs: Any) -> BlendSynthesizer:
-        """Deprecated since 0.1.0: use ``blend_synthesizer(llm, ...)``
-        (:mod:`llama_index.llms.ragblend.query_engine`), which this calls."""
-        from llama_index.llms.ragblend.query_engine import blend_synthesizer
-
-        warnings.warn(
-            "BlendLLM.synthesizer(...) is deprecated; use "
-            "llama_index.llms.ragblend.blend_synthesizer(llm, ...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return blend_synthesizer(self, **kwargs)
 
 
 def _result_of(stream: Any) -> BlendResult:

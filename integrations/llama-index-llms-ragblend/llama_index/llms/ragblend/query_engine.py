@@ -14,7 +14,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index.llms.ragblend.base import BlendLLM
+from llama_index.llms.ragblend.base import BaseBlendLLM
 from llama_index.llms.ragblend.synthesizer import BlendSynthesizer
 
 
@@ -23,7 +23,7 @@ class WarmingRetriever(BaseRetriever):
     precompute ahead of the ingestion backlog. Scoped by construction: only the query engines
     built with it warm, not every retrieval in the process."""
 
-    def __init__(self, retriever: BaseRetriever, llm: BlendLLM) -> None:
+    def __init__(self, retriever: BaseRetriever, llm: BaseBlendLLM) -> None:
         super().__init__(callback_manager=retriever.callback_manager)
         self._retriever = retriever
         self._llm = llm
@@ -41,7 +41,7 @@ class WarmingRetriever(BaseRetriever):
 
 
 def blend_synthesizer(
-    llm: BlendLLM,
+    llm: BaseBlendLLM,
     streaming: bool = False,
     text_qa_template: BasePromptTemplate | None = None,
     **kwargs: Any,
@@ -53,7 +53,7 @@ def blend_synthesizer(
 
 
 def blend_query_engine(
-    llm: BlendLLM,
+    llm: BaseBlendLLM,
     index: BaseIndex,
     *,
     streaming: bool = False,

@@ -12,7 +12,7 @@ from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from llama_index.llms.ragblend.base import BlendLLM
+from llama_index.llms.ragblend.base import BaseBlendLLM
 from llama_index.llms.ragblend.prompts import qa_prompt_format
 from ragblend import PromptFormat, RagblendError
 
@@ -29,7 +29,7 @@ class BlendSynthesizer(BaseSynthesizer):
 
     def __init__(
         self,
-        llm: BlendLLM,
+        llm: BaseBlendLLM,
         text_qa_template: BasePromptTemplate | None = None,
         streaming: bool = False,
         callback_manager: CallbackManager | None = None,
@@ -37,7 +37,7 @@ class BlendSynthesizer(BaseSynthesizer):
         ratio: float | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(llm, BlendLLM):
+        if not isinstance(llm, BaseBlendLLM):
             raise RagblendError(f"BlendSynthesizer needs a BlendLLM, got {type(llm).__name__}")
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming, **kwargs)
         self._blend_llm = llm

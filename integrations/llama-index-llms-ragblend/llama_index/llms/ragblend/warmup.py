@@ -14,7 +14,7 @@ from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.schema import BaseNode, TransformComponent
 
-from llama_index.llms.ragblend.base import BlendLLM
+from llama_index.llms.ragblend.base import BaseBlendLLM
 
 log = logging.getLogger(__name__)
 _CACHED_MODES = ("reuse", "blend")  # the modes that read chunk caches
@@ -39,9 +39,9 @@ class BlendWarmup(TransformComponent):
         description="Also precompute each node in the escaped form response_mode="
         "'simple_summarize' sends (its context is a Python list); doubles the warmup work.",
     )
-    _llm: BlendLLM = PrivateAttr()
+    _llm: BaseBlendLLM = PrivateAttr()
 
-    def __init__(self, llm: BlendLLM, **kwargs: Any) -> None:
+    def __init__(self, llm: BaseBlendLLM, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._llm = llm
 
@@ -50,7 +50,7 @@ class BlendWarmup(TransformComponent):
         return "BlendWarmup"
 
     @property
-    def llm(self) -> BlendLLM:
+    def llm(self) -> BaseBlendLLM:
         return self._llm
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
@@ -68,10 +68,10 @@ class BlendRetrievalHook(BaseEventHandler):
     """
 
     enqueued: int = 0
-    _llm: BlendLLM = PrivateAttr()
+    _llm: BaseBlendLLM = PrivateAttr()
     _dispatcher: Any = PrivateAttr(default=None)
 
-    def __init__(self, llm: BlendLLM, **kwargs: Any) -> None:
+    def __init__(self, llm: BaseBlendLLM, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._llm = llm
 

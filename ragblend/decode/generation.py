@@ -1,10 +1,11 @@
 """Generation after a prefill: decoders, the decode loop's drivers, streams.
 
 In the style of gpt-fast's ``generate.py``: one frozen :class:`SamplingParams` (in
-``ragblend.sampling``) and one decode loop's bookkeeping, :class:`ragblend.decoding.DecodeState`
+``ragblend.decode.sampling``) and one decode loop's bookkeeping,
+:class:`ragblend.decode.loop.DecodeState`
 (EOS, ``max_tokens``, stop strings, ``ignore_eos``, incremental text), shared with the
 server's scheduler. Decoding runs into preallocated K/V (a
-:class:`~ragblend.layer_decode.LayerDecoder`, or HF's ``StaticCache`` where that does not
+:class:`~ragblend.decode.decoder.LayerDecoder`, or HF's ``StaticCache`` where that does not
 apply, :func:`decoder_for`) so each new token is written in place instead of concatenated
 onto every layer's K/V (``DynamicCache`` copies the whole context per token).
 """
@@ -22,18 +23,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragblend.bridge import aiter_in_thread
-from ragblend.decoding import DecodeState, decode_steps
-from ragblend.layer_decode import LayerDecoder
-from ragblend.models.int8_decode import step_activations
-from ragblend.sampling import Sampler as Sampler
-from ragblend.sampling import SamplingParams as SamplingParams
+from ragblend.decode.decoder import LayerDecoder
+from ragblend.decode.loop import DecodeState, decode_steps
+from ragblend.decode.sampling import Sampler as Sampler
+from ragblend.decode.sampling import SamplingParams as SamplingParams
+from ragblend.kernels import step_activations
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ragblend.decode_pool import DecodePool
-    from ragblend.fusion.cpu.native import NativeKernels
-    from ragblend.fusion.cuda.layer_ops import LayerKernels
+    from ragblend.decode.pool import DecodePool
+    from ragblend.kernels import LayerKernels, NativeKernels
     from ragblend.models.adapters import LayerwiseModel
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def decode_tokens(
 ) -> Iterator[int]:
     """Yield generated token ids after ``prefill`` (EOS excluded); updates ``prefill.stats``.
 
-    The ids-only form of the decode loop (:mod:`ragblend.decoding`, no text).
+    The ids-only form of the decode loop (:mod:`ragblend.decode.loop`, no text).
     ``prefill.cache`` is not modified: decoding runs in a cache of its own
     (:func:`decoder_for`, with ``kv_cache_dtype`` and ``activations``).
     """

@@ -1,5 +1,5 @@
 """Choosing the fused layer steps' implementation for a device: Triton kernels on CUDA once
-they match the torch references of :mod:`~ragblend.fusion.cuda.layer_ops` there, else the
+they match the torch references of :mod:`~ragblend.kernels.cuda.layer_ops` there, else the
 references (``BlendConfig.layer_kernels``)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import cast
 
 import torch
 
-from ragblend.fusion.cuda import layer_ops
-from ragblend.fusion.cuda.layer_ops import REFERENCE, LayerImpl, LayerKernels, check_layer_kernels
+from ragblend.kernels.cuda import layer_ops
+from ragblend.kernels.cuda.layer_ops import REFERENCE, LayerImpl, LayerKernels, check_layer_kernels
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def layer_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> Laye
 
 def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the Triton kernels cannot run for ``dtype`` on ``device`` (None: put in use)."""
-    from ragblend.fusion.cuda import triton_layer
+    from ragblend.kernels.cuda import triton_layer
 
     if not triton_layer.available():
         return "triton is not installed"

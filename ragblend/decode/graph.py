@@ -1,13 +1,13 @@
 """A CUDA graph of a decode pool's whole step (``BlendConfig.cuda_graphs``; CUDA only).
 
 A decode step of a 7B model launches several hundred small kernels; replayed from a CUDA
-graph they cost one launch of host time. The graph records
-:meth:`~ragblend.decode_pool.DecodePool.forward` over **every** slot of the pool with static
+graph they cost one launch of host time. The graph records a step (the pool's
+:meth:`~ragblend.decode.pool.DecodePool.forward`) over **every** slot of the pool with static
 input buffers (tokens, positions): a replay copies the step's tokens and positions into them,
 the slots not stepping get position ``capacity`` (the pool's spare column, where their K/V
 write lands unread) and the graph's logits rows of the stepping slots are returned. The same
 layers run as eagerly (one logic, recorded), so a replay equals
-:meth:`~ragblend.decode_pool.DecodePool.forward` over all slots.
+:meth:`~ragblend.decode.pool.DecodePool.forward` over all slots.
 
 Off by default until a GPU run of ``benchmarks/gpu_check.sh`` has checked it
 (``tests/test_gpu_paths.py`` compares replays with eager steps); a capture that fails falls
@@ -16,40 +16,31 @@ back to eager steps with one warning (:meth:`DecodePool.step`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from ragblend.decode_pool import DecodePool
-    from ragblend.fusion.cpu.native import NativeKernels
-    from ragblend.fusion.cuda.layer_ops import LayerKernels
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A pool's step over all its slots: tokens, positions, rows [slots] int64 → fp32 logits."""
 
 
 class DecodeGraph:
-    """The recorded step of ``pool`` (every slot) with ``kernels``/``fused`` layer steps."""
+    """The recorded ``step`` of a pool of ``slots`` slots of ``capacity`` tokens on ``device``
+    (a step over every slot; position ``capacity`` is the spare column idle slots write)."""
 
     def __init__(
-        self,
-        pool: DecodePool,
-        kernels: NativeKernels | None = None,
-        fused: LayerKernels | None = None,
-        warmup: int = 2,
+        self, step: Step, slots: int, capacity: int, device: torch.device, warmup: int = 2
     ) -> None:
-        device = pool.keys[0].device
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the pool is on {device}")
-        self.pool = pool
-        slots = pool.slots
+        self.slots, self.capacity = slots, capacity
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
         # idle rows write the spare column (the recording and warmup write only there)
-        self.positions = torch.full((slots,), pool.capacity, dtype=torch.long, device=device)
+        self.positions = torch.full((slots,), capacity, dtype=torch.long, device=device)
         self.rows = torch.arange(slots, device=device)
-        span = slice(0, slots)
 
         def run() -> torch.Tensor:
-            return pool.forward(self.tokens, self.positions, self.rows, span, kernels, fused)
+            return step(self.tokens, self.positions, self.rows)
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -66,9 +57,8 @@ class DecodeGraph:
     ) -> torch.Tensor:
         """fp32 logits [B, vocab] of the requests in ``slots`` fed ``tokens`` at
         ``positions`` (their K/V rows written into the pool, as an eager step writes them)."""
-        pool = self.pool
-        ids = torch.zeros(pool.slots, dtype=torch.long)
-        at = torch.full((pool.slots,), pool.capacity, dtype=torch.long)
+        ids = torch.zeros(self.slots, dtype=torch.long)
+        at = torch.full((self.slots,), self.capacity, dtype=torch.long)
         index = torch.tensor(list(slots))
         ids[index] = torch.tensor(list(tokens))
         at[index] = torch.tensor(list(positions))

@@ -15,8 +15,7 @@ import torch
 from ragblend.models.adapters import LayerProjections, LayerwiseModel
 
 if TYPE_CHECKING:
-    from ragblend.fusion.cpu.native import NativeKernels
-    from ragblend.fusion.cuda.layer_ops import LayerKernels
+    from ragblend.kernels import LayerKernels, NativeKernels
 
 # (layer, its projections [1, heads, B, d], its sliding window or None) -> [1, B, H*d]
 Attend = Callable[[int, LayerProjections, int | None], torch.Tensor]

@@ -8,8 +8,8 @@ module defines those steps as single PyTorch custom ops (``torch.ops.ragblend_la
   arithmetic (the same ops in the same order), used on the CPU and wherever no faster kernel
   is in use. Exactness by construction: a prefill through the reference ops equals one
   through HF's modules bit for bit.
-* on CUDA a **Triton kernel** of the same step (:mod:`ragblend.fusion.cuda.triton_layer`) runs
-  instead once :func:`ragblend.fusion.cuda.loading.layer_kernels` has checked it against the
+* on CUDA a **Triton kernel** of the same step (:mod:`ragblend.kernels.cuda.triton_layer`) runs
+  instead once :func:`ragblend.kernels.cuda.loading.layer_kernels` has checked it against the
   reference on the device (falling back to the reference with one warning where it does not
   match).
 

@@ -1,6 +1,6 @@
-"""Triton kernels of :mod:`ragblend.fusion.cuda.layer_ops`' steps, for CUDA tensors.
+"""Triton kernels of :mod:`ragblend.kernels.cuda.layer_ops`' steps, for CUDA tensors.
 
-Each step of a layer that :mod:`~ragblend.fusion.cuda.layer_ops` defines (RMSNorm, residual add +
+Each step of a layer that :mod:`~ragblend.kernels.cuda.layer_ops` defines (RMSNorm, residual add +
 RMSNorm, RoPE of q and k, RoPE of keys in place, ``silu(gate) * up``, the K/V row scatter) is
 here **one** Triton kernel launch, with the torch reference's signature and semantics:
 
@@ -9,7 +9,7 @@ here **one** Triton kernel launch, with the torch reference's signature and sema
   Triton's interpreter then runs as a GPU does: its own cast to bf16 truncates);
 * every launch passes ``enable_fp_fusion=False``, so a product followed by a sum is not
   contracted into an FMA where the reference rounds the product first; where the reference
-  itself computes an FMA (``addcmul_`` in :func:`~ragblend.fusion.cuda.layer_ops.
+  itself computes an FMA (``addcmul_`` in :func:`~ragblend.kernels.cuda.layer_ops.
   rope_inplace_reference`) the kernel calls ``tl.fma``;
 * divisions are IEEE (``tl.div_rn``) and, on a GPU, ``silu``'s ``exp`` is libdevice's
   ``expf`` (torch's on CUDA), not Triton's approximate ``exp``.
@@ -23,7 +23,7 @@ outputs agree but where such an fp32 difference moves a rounding (one ulp of the
 ``triton`` is optional: this module imports without it (:func:`available` then says False and
 :func:`triton_impl` raises). The kernels are checked against the torch references on the CPU
 with ``TRITON_INTERPRET=1`` (``tests/test_triton_layer.py``, where Triton's interpreter runs
-them over CPU tensors) and on the device when :mod:`~ragblend.fusion.cuda.loading` loads them.
+them over CPU tensors) and on the device when :mod:`~ragblend.kernels.cuda.loading` loads them.
 
 Assumptions (as the references' callers have them): ``q``/``k`` batch 1 and ``cos``/``sin``
 [1, T, d] (or [T, d]); ``hidden`` and ``delta`` of one shape; ``k``/``v`` and ``k_all``/
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ragblend.fusion.cuda.layer_ops import LayerImpl
+from ragblend.kernels.cuda.layer_ops import LayerImpl
 
 try:
     import triton
@@ -506,7 +506,7 @@ def scatter_rows(
 
 
 def triton_impl() -> LayerImpl:
-    """The Triton kernels as a :class:`~ragblend.fusion.cuda.layer_ops.LayerImpl` (``"triton"``).
+    """The Triton kernels as a :class:`~ragblend.kernels.cuda.layer_ops.LayerImpl` (``"triton"``).
 
     RuntimeError where Triton is not installed (or fails to import)."""
     if _IMPORT_ERROR is not None:

@@ -3,14 +3,14 @@
 llama.cpp multiplies a GGUF's quantized weights by activations quantized to 8 bits per block
 and integer dot products; the same file in Ollama, LM Studio or llama.cpp decodes that way.
 With ``decode_activations="int8"`` ragblend does the same for decode steps — the arithmetic of
-:mod:`ragblend.models.int8_reference` (its oracle), run by ``csrc/quant_int8.cpp``'s kernels
+:mod:`ragblend.kernels.cpu.int8_reference` (its oracle), run by ``csrc/quant_int8.cpp``'s kernels
 (AVX2 ``vpmaddubsw`` / ``vpmaddwd``, or AVX512-VNNI ``vpdpbusd`` / ``vpdpwssd`` where the CPU
 has it: :data:`BUILDS`, the same floats bit for bit) — and keeps prefills on the exact path
 (dequantize + ``F.linear``). ``"float"`` is the exact path everywhere; ``"auto"`` picks per CPU
 level from :data:`AUTO_BY_LEVEL`, measured.
 
 Only decode steps use it: :func:`step_activations` marks the thread while one runs with the
-decoder's setting (``ragblend.layer_decode.decode_batch`` and the HF-forward decoder enter it),
+decoder's setting (``ragblend.decode.decoder.decode_batch`` and the HF-forward decoder enter it),
 and a :class:`~ragblend.models.quantized.QuantLinear` takes the int8 kernel only inside an int8
 step. The setting belongs to the decoder (an engine view's config), not to the model. The
 kernels are built once per process and checked on random blocks of every type against the
@@ -31,9 +31,9 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import AVX512, Build, load_ops, widest_that_loads
-from ragblend.models import int8_reference as ref
-from ragblend.models.quant_kernels import AVX2_FLAGS, QUANT_TYPES, random_blocks
+from ragblend.kernels.cpu import int8_reference as ref
+from ragblend.kernels.cpu.extensions import AVX512, Build, load_ops, widest_that_loads
+from ragblend.kernels.cpu.quant_kernels import AVX2_FLAGS, QUANT_TYPES, random_blocks
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ AUTO_BY_LEVEL: dict[str, AutoActivations] = {
 }
 
 
-def resolve(mode: str) -> str:
+def resolve_decode_activations(mode: str) -> str:
     """``"float"`` or ``"int8"`` for a ``decode_activations`` setting (``"auto"``: this CPU
     level's row of :data:`AUTO_BY_LEVEL`)."""
     if mode == "auto":
@@ -189,8 +189,8 @@ def kernels_of(name: str) -> Int8Kernels:
 
 def check(kernels: Int8Kernels) -> None:
     """RuntimeError unless, on random blocks of every type, the kernels quantize x as the
-    reference does (bit for bit), their matmul equals :func:`~ragblend.models.int8_reference.
-    matmul_reference` within :func:`~ragblend.models.int8_reference.term_bound`, each row of
+    reference does (bit for bit), their matmul equals :func:`~ragblend.kernels.cpu.int8_reference.
+    matmul_reference` within :func:`~ragblend.kernels.cpu.int8_reference.term_bound`, each row of
     a batch is the same alone, and matmul_cat gives each weight's matmul side by side."""
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(5, 512, generator=gen) * torch.rand(5, 1, generator=gen) * 3

@@ -3,7 +3,7 @@
 A quantized weight is ggml's blocks as a GGUF file stores them: a uint8 tensor
 ``[rows, row_bytes]`` (``gguf.GGUFReader(...).tensors[i].data``), each row ``cols`` weights in
 ``cols / block_elems`` consecutive blocks of one of :data:`QUANT_TYPES`.
-``ragblend/fusion/cpu/csrc/quant_blocks.cpp`` (built for AVX2 + FMA + F16C, for AVX512 where the
+``ragblend/kernels/cpu/csrc/quant_blocks.cpp`` (built for AVX2 + FMA + F16C, for AVX512 where the
 CPU level has it: a matmul twice as wide, and for AVX512-BF16: a bf16 matmul in ``vdpbf16ps``)
 has three ops on them:
 
@@ -21,7 +21,7 @@ has three ops on them:
   bf16 (``dequantize(..., torch.bfloat16)``, what a dequantized bf16 model multiplies), by
   ``vdpbf16ps``, products summed in float32 (bf16 subnormal inputs read as zero), the bias
   added and the result rounded to bf16: ``F.linear`` on those bf16 weights within
-  :func:`ragblend.models.dense_decode.tolerance`, as the dense bf16 decode kernel gives; at
+  :func:`ragblend.kernels.cpu.dense_decode.tolerance`, as the dense bf16 decode kernel gives; at
   8 rows of x 1.6-1.8x the float32 products' speed (half the multiply instructions), at one
   row 0.94-1.16x (Q4_1 slower, Q6_K and Q8_0 as fast, Q4_K and Q5_0 faster; Zen 5).
 - ``matmul_cat(x, [blocks, ...], [qtype, ...], cols, [bias | None, ...]) -> [n, sum of rows]``:
@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from ragblend import cpu
-from ragblend.extensions import AVX512, Build, load_ops, widest_that_loads
+from ragblend.kernels.cpu.extensions import AVX512, Build, load_ops, widest_that_loads
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def _check(kernels: QuantKernels, qtype: int) -> None:
     rounding, each row of a batched matmul equals the same row alone bit for bit, and bf16 x
     and bias give the float32 call's output rounded to bf16 bit for bit (with
     ``bf16_products``: ``F.linear`` on the weights rounded to bf16 within
-    :func:`ragblend.models.dense_decode.tolerance`, each row alone as batched)."""
+    :func:`ragblend.kernels.cpu.dense_decode.tolerance`, each row alone as batched)."""
     name = QUANT_TYPES[qtype]
     gen = torch.Generator().manual_seed(qtype)
     blocks = random_blocks(7, 512, qtype, gen)
@@ -270,8 +270,8 @@ def _check_bf16_products(
 ) -> None:
     """RuntimeError unless ``got``, the ``bf16_products`` matmul of bf16 ``x [n, cols]``,
     is ``F.linear`` on the weights rounded to bf16 within
-    :func:`~ragblend.models.dense_decode.tolerance`, and each of its rows is the same alone."""
-    from ragblend.models.dense_decode import tolerance
+    :func:`~ragblend.kernels.cpu.dense_decode.tolerance`, and each of its rows is the same alone."""
+    from ragblend.kernels.cpu.dense_decode import tolerance
 
     name, cols = QUANT_TYPES[qtype], x.shape[1]
     weight = kernels.dequantize(blocks, qtype, cols, torch.bfloat16)

@@ -1,6 +1,6 @@
 """llama.cpp's 8-bit-activation arithmetic for GGUF quantized weights, in plain torch integers.
 
-The oracle of :mod:`ragblend.models.int8_decode`'s kernels (and their fallback's definition).
+The oracle of :mod:`ragblend.kernels.cpu.int8_decode`'s kernels (and their fallback's definition).
 A decode step's input row is quantized per block of the weight's type, as llama.cpp quantizes
 activations for its integer dot products:
 
@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ragblend.models.quant_kernels import QUANT_TYPES, block_shape
+from ragblend.kernels.cpu.quant_kernels import QUANT_TYPES, block_shape
 
 SMALL_TYPES = (2, 3, 6, 7, 8)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: x in Q8_0 blocks of 32
 K_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K: x in Q8_K blocks of 256

@@ -1,4 +1,4 @@
-"""Next-token choice, shared by every decode path (through ``ragblend.decoding``: generate,
+"""Next-token choice, shared by every decode path (through ``ragblend.decode.loop``: generate,
 stream and the server's scheduler): sampling parameters, penalties, temperature / top-k /
 top-p, logprobs.
 

@@ -2,7 +2,7 @@
 
 Per layer, keys and values of up to ``slots`` requests live in one tensor [slots, Hkv,
 capacity + 1, d] (a spare column last); each request's
-:class:`~ragblend.layer_decode.LayerDecoder` claims a slot and its buffers are views of it.
+:class:`~ragblend.decode.decoder.LayerDecoder` claims a slot and its buffers are views of it.
 A decode step of requests that share a pool then writes every new K/V row with one scatter
 per tensor and attends all of them in **one** SDPA call over the slots from the lowest to the
 highest stepping one (a view, each query row masked to its own positions, a sliding window's
@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ragblend.decode_layers import step_layers
+from ragblend.decode.graph import DecodeGraph
+from ragblend.decode.layers import step_layers
 from ragblend.models.adapters import LayerProjections, LayerwiseModel
 
 if TYPE_CHECKING:
-    from ragblend.decode_graph import DecodeGraph
-    from ragblend.fusion.cpu.native import NativeKernels
-    from ragblend.fusion.cuda.layer_ops import LayerKernels
+    from ragblend.kernels import LayerKernels, NativeKernels
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class DecodePool:
     ) -> torch.Tensor:
         """One decode step of the requests in ``slots`` (fed ``tokens`` at ``positions``):
         fp32 logits [B, vocab]. A CUDA graph of the whole step where ``cuda_graphs`` is on
-        (:mod:`ragblend.decode_graph`), else :meth:`forward` over their span of slots."""
+        (:mod:`ragblend.decode.graph`), else :meth:`forward` over their span of slots."""
         if self.cuda_graphs:
             graph = self._graph(kernels, fused)
             if graph is not None:
@@ -121,10 +120,15 @@ class DecodePool:
         key = (kernels, fused)
         graph = self._graphs.get(key)
         if graph is None:
-            from ragblend.decode_graph import DecodeGraph
+            every = slice(0, self.slots)
+
+            def step(tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+                return self.forward(tokens, positions, rows, every, kernels, fused)
 
             try:
-                graph = self._graphs[key] = DecodeGraph(self, kernels, fused)
+                device = self.keys[0].device
+                graph = DecodeGraph(step, self.slots, self.capacity, device)
+                self._graphs[key] = graph
             except Exception as exc:  # capture unsupported by a step on this device
                 log.warning("no CUDA graph of the decode step (%s); decoding eagerly", exc)
                 self.cuda_graphs = False

@@ -1,9 +1,9 @@
 """The decode loop's bookkeeping, one place for every path: when an answer ends and what to show.
 
 :class:`DecodeState` is one request's decoding after its prefill: it samples each token
-(``ragblend.sampling``), ends the answer at an end-of-sequence token (unless
+(``ragblend.decode.sampling``), ends the answer at an end-of-sequence token (unless
 ``ignore_eos``), at ``max_tokens`` or at a stop string, sets ``finish_reason`` and turns the
-ids into text deltas (:class:`~ragblend.detokenize.Detokenizer`, constant work per token).
+ids into text deltas (:class:`~ragblend.decode.detokenize.Detokenizer`, constant work per token).
 ``generate`` / ``stream`` drive it with :func:`decode_steps` (one request); the server's
 scheduler steps a batch and hands each request's row of logits to its own state.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ragblend.detokenize import Detokenizer
-from ragblend.sampling import Sampler, SamplingParams
+from ragblend.decode.detokenize import Detokenizer
+from ragblend.decode.sampling import Sampler, SamplingParams
 
 
 class StopStrings:
@@ -98,7 +98,7 @@ class DecodeState:
 
     def sample(self, logits: torch.Tensor, argmax: int | None = None) -> int:
         """The next token from this step's raw ``logits`` [vocab]; ``argmax``: theirs, where
-        the caller took it for a batch (:func:`ragblend.sampling.greedy_choices`)."""
+        the caller took it for a batch (:func:`ragblend.decode.sampling.greedy_choices`)."""
         return self.sampler(logits, argmax)
 
     def add(self, token: int) -> str:

@@ -10,7 +10,7 @@ stacked into one tile. Beside it,
 ``csrc/rope.cpp`` rotates keys and queries in place in one pass (torch takes five) and
 ``csrc/rms_norm.cpp`` is HF's Llama RMSNorm in one pass (torch takes six); both give HF's
 values bit for bit, and a decode step's attention for a batch of requests in AVX512-BF16 dot
-products (``csrc/decode_attention_bf16.cpp``, :mod:`ragblend.fusion.cpu.decode_kernels`). That
+products (``csrc/decode_attention_bf16.cpp``, :mod:`ragblend.kernels.cpu.decode_kernels`). That
 build is for bf16 on CPUs at the ``avx512_bf16`` level or above (:mod:`ragblend.cpu`).
 A second build, for fp32 on any CPU at the ``avx2`` level or above, has the same selected-row
 attention through BLAS sgemm tiles (``csrc/rows_attention_f32.cpp``), the same one-pass RoPE
@@ -37,8 +37,8 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import ATEN_AVX512, AVX512, load_ops
-from ragblend.fusion.cpu.decode_kernels import DECODE_512, DecodeKernel, decode_kernel, load_512
+from ragblend.kernels.cpu.decode_kernels import DECODE_512, DecodeKernel, decode_kernel, load_512
+from ragblend.kernels.cpu.extensions import ATEN_AVX512, AVX512, load_ops
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class NativeKernels(NamedTuple):
     Llama's RMSNorm (``None`` where there is none for the dtype, or it does not match this
     torch's bit for bit, see ``_rms_norm_if_exact``) and a decode step's attention for a
     batch of requests (q and K/V of ``dtype``, fp32's also over bf16 K/V; ``None`` where the
-    bf16 one fails its check, :mod:`ragblend.fusion.cpu.decode_kernels`)."""
+    bf16 one fails its check, :mod:`ragblend.kernels.cpu.decode_kernels`)."""
 
     attend_rows: RowKernel
     rope_: RopeKernel

@@ -293,7 +293,7 @@ def _run_ray(args: argparse.Namespace, chunks: Sequence[str], config: dict) -> i
     """The ``ragblend warmup --ray`` command on a Ray cluster: progress bar and summary line."""
     from tqdm.auto import tqdm
 
-    from ragblend.warmup_ray import warm_on_ray
+    from ragblend.warmup.ray_actors import warm_on_ray
 
     bar = tqdm(
         total=len(chunks),

@@ -1,6 +1,6 @@
 """A native bf16 matmul for a decode step's few rows, each row's output the same in any batch.
 
-``ragblend/fusion/cpu/csrc/dense_bf16.cpp`` (compiled on first use, in one of :data:`BUILDS`) has
+``ragblend/kernels/cpu/csrc/dense_bf16.cpp`` (compiled on first use, in one of :data:`BUILDS`) has
 two ops on bf16 CPU tensors:
 
 - ``matmul(x [n, cols], weight [rows, cols], bias [rows] | None) -> [n, rows]``: ``F.linear``'s
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import cpu
-from ragblend.extensions import AVX512, Build, load_ops
+from ragblend.kernels.cpu.extensions import AVX512, Build, load_ops
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,12 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import Build, load_ops
-from ragblend.fusion.cpu.decode_kernels import _TOLERANCE, DECODE_512
-from ragblend.fusion.cpu.native import BUILDS
+from ragblend.kernels.cpu.decode_kernels import _TOLERANCE, DECODE_512
+from ragblend.kernels.cpu.extensions import Build, load_ops
+from ragblend.kernels.cpu.native import BUILDS
 
 if TYPE_CHECKING:
-    from ragblend.fusion.cpu.native import NativeKernels
-    from ragblend.models.adapters import LayerwiseModel
+    from ragblend.kernels.cpu.native import NativeKernels
 
 log = logging.getLogger(__name__)
 
@@ -241,13 +240,15 @@ def _run_q8(
     return got, [t for part in bufs for t in part]
 
 
-def int8_attention(layers: LayerwiseModel, kernels: NativeKernels | None) -> Q8Kernel:
-    """The attention of int8 decode caches: the native kernel where the float path would run
-    a native one (CPU, ``kernels`` given or a bf16 model: :func:`decode_attention`) and it runs
-    here (:func:`native_q8`), else SDPA per request over the
-    dequantized K/V."""
-    native = layers.device.type == "cpu" and (kernels is not None or layers.dtype == torch.bfloat16)
-    kernel = native_q8(layers.head_dim) if native else None
+def int8_attention(
+    device: torch.device, dtype: torch.dtype, head_dim: int, kernels: NativeKernels | None
+) -> Q8Kernel:
+    """The attention of int8 decode caches of a model on ``device`` computing in ``dtype``:
+    the native kernel where the float path would run a native one (CPU, ``kernels`` given or
+    a bf16 model: :func:`decode_attention`) and it runs here (:func:`native_q8`), else SDPA
+    per request over the dequantized K/V."""
+    native = device.type == "cpu" and (kernels is not None or dtype == torch.bfloat16)
+    kernel = native_q8(head_dim) if native else None
     return kernel if kernel is not None else attend_q8_torch
 
 

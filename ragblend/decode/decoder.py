@@ -7,22 +7,22 @@ mask and no padded keys), then o_proj and the MLP (``LayerwiseModel.finish``). T
 modules as ``model(...)``, without the per-step work of HF's forward (mask construction, cache
 bookkeeping, output objects), which dominates decode time for small models on CPU.
 
-Given ragblend's native kernels (:mod:`ragblend.fusion.cpu.native`), a step's RoPE and RMSNorms
+Given ragblend's native kernels (:mod:`ragblend.kernels.cpu.native`), a step's RoPE and RMSNorms
 are the kernels' (HF's values bit for bit) and the attention of all requests is one kernel
-call that also writes their new K/V (:mod:`ragblend.fusion.cpu.decode_kernels`): bf16 dot
+call that also writes their new K/V (:mod:`ragblend.kernels.cpu.decode_kernels`): bf16 dot
 products for a bf16 model on a CPU at the ``avx512_bf16`` level, else the fp32 kernel (over a
 bf16 model's bf16 K/V, widened to fp32 as it is read; :func:`decode_attention`); elsewhere,
 torch's ops per request.
 
 With ``kv_cache_dtype="int8"`` the decode buffers hold 8-bit codes with scales instead
-(:func:`ragblend.fusion.cpu.decode_q8.quantize_q8`: llama.cpp's q8_0, one fp32 scale per 32
+(:func:`ragblend.kernels.cpu.decode_q8.quantize_q8`: llama.cpp's q8_0, one fp32 scale per 32
 values along the head dim), the prompt's K/V quantized once when the decoder is made and each
 new token's as it is written; a step attends in fp32 over the dequantized values, through the
 native AVX2 kernel (``csrc/decode_attention_int8.cpp``) or, where it does not run, SDPA per
-request (:func:`ragblend.fusion.cpu.decode_q8.attend_q8_torch`).
+request (:func:`ragblend.kernels.cpu.decode_q8.attend_q8_torch`).
 
 On a GPU (``BlendConfig.decode_slots``) the decoders' buffers are slots of one static
-:class:`~ragblend.decode_pool.DecodePool`, and a step of requests that share it writes and
+:class:`~ragblend.decode.pool.DecodePool`, and a step of requests that share it writes and
 attends all of them in one call per layer, through the fused layer steps where the engine
 runs them (``BlendConfig.layer_kernels``).
 """
@@ -36,14 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from ragblend.config import KV_CACHE_DTYPES
-from ragblend.decode_layers import step_layers
-from ragblend.decode_pool import DecodePool
+from ragblend.decode.layers import step_layers
+from ragblend.decode.pool import DecodePool
 from ragblend.errors import RagblendError
-from ragblend.fusion.cpu.decode_q8 import int8_attention, q8_buffer
-from ragblend.fusion.cpu.native import DecodeKernel, NativeKernels, native_kernels
-from ragblend.fusion.cuda.layer_ops import LayerKernels
+from ragblend.kernels import (
+    DecodeKernel,
+    LayerKernels,
+    NativeKernels,
+    int8_attention,
+    native_kernels,
+    q8_buffer,
+    step_activations,
+)
 from ragblend.models.adapters import LayerProjections, LayerwiseModel
-from ragblend.models.int8_decode import step_activations
 
 
 class DecodeAttention(NamedTuple):
@@ -65,14 +70,14 @@ class LayerDecoder:
     ``kv_cache_dtype="int8"``: ``keys[i]`` / ``values[i]`` are int8 codes of that shape and
     ``key_scales[i]`` / ``value_scales[i]`` their fp32 scales [1, kv_heads, capacity,
     head_dim / block] (block: 32, or head_dim where 32 does not divide it; see
-    :func:`ragblend.fusion.cpu.decode_q8.quantize_q8`), ``attend_q8`` the attention that
+    :func:`ragblend.kernels.cpu.decode_q8.quantize_q8`), ``attend_q8`` the attention that
     reads them. ``"auto"``: the prompt cache's dtype, scales empty.
 
     ``activations``: what a step multiplies a GGUF's quantized weights by, a resolved
     ``BlendConfig.decode_activations`` (``"float"`` or ``"int8"``:
-    :func:`ragblend.models.int8_decode.step_activations`).
+    :func:`ragblend.kernels.cpu.int8_decode.step_activations`).
 
-    ``pool``: a :class:`~ragblend.decode_pool.DecodePool` to take a slot of (``auto`` K/V of
+    ``pool``: a :class:`~ragblend.decode.pool.DecodePool` to take a slot of (``auto`` K/V of
     at most its capacity): the buffers are views of it, and a step of decoders that all hold
     slots of one pool attends in one call (``slot`` is None where it had none free).
     ``layer_kernels``: the fused layer steps (``BlendEngine.layer_kernels``) a step runs.
@@ -115,7 +120,7 @@ class LayerDecoder:
             self.slot = pool.claim(self)
             self.pool = pool if self.slot is not None else None
         if kv_cache_dtype == "int8":
-            self.attend_q8 = int8_attention(layers, kernels)
+            self.attend_q8 = int8_attention(layers.device, layers.dtype, layers.head_dim, kernels)
             for k, v in prompt_kv:
                 for buffers, scales, x in (
                     (self.keys, self.key_scales, k),

@@ -13,7 +13,7 @@ Three builds, each checked against SDPA when it loads:
   instruction and no widening.
 
 Decode caches of 8-bit codes (``BlendConfig.kv_cache_dtype="int8"``) have their own kernel:
-:mod:`ragblend.fusion.cpu.decode_q8`.
+:mod:`ragblend.kernels.cpu.decode_q8`.
 
 Every build cuts a request's keys into blocks by its own position only and merges them in
 order, so a request decoded in a batch gets exactly what it gets alone.
@@ -29,7 +29,7 @@ import torch
 
 from ragblend import cpu
 from ragblend.errors import RagblendError
-from ragblend.extensions import ATEN_AVX512, AVX512, Build, load_ops
+from ragblend.kernels.cpu.extensions import ATEN_AVX512, AVX512, Build, load_ops
 
 log = logging.getLogger(__name__)
 

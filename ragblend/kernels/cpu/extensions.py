@@ -1,4 +1,4 @@
-"""Compiling ragblend's C++ kernels (``ragblend/fusion/cpu/csrc``) with torch's JIT extension
+"""Compiling ragblend's C++ kernels (``ragblend/kernels/cpu/csrc``) with torch's JIT extension
 loader, once per machine (torch caches the build; ninja rebuilds what an edited source or
 header touches)."""
 
@@ -17,7 +17,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent / "fusion" / "cpu" / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 # the instruction sets every AVX512 build of ragblend's kernels targets (F/BW/VL/DQ)
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # at::vec's 16-lane code, for a source that uses ATen's vectorized types
