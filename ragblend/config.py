@@ -354,11 +354,12 @@ def _accepting_moved_names(init: Any) -> Any:
     @functools.wraps(init)
     def __init__(self: BlendConfig, *args: Any, **kwargs: Any) -> None:
         moved = {name: kwargs.pop(name) for name in MOVED_TO_SELECTION if name in kwargs}
-        for name in moved:
-            _warn_moved(name)
-        selection = kwargs.get("selection", SelectionPolicy())
-        if moved and isinstance(selection, SelectionPolicy):  # else __post_init__ says why
-            kwargs["selection"] = dataclasses.replace(selection, **moved)
+        if moved:
+            for name in moved:
+                _warn_moved(name)
+            selection = kwargs.get("selection", SelectionPolicy())
+            if isinstance(selection, SelectionPolicy):  # else __post_init__ says why
+                kwargs["selection"] = dataclasses.replace(selection, **moved)
         init(self, *args, **kwargs)
 
     return __init__
@@ -379,6 +380,7 @@ def _moved_attribute(name: str) -> property:
 BlendConfig.__init__ = _accepting_moved_names(BlendConfig.__init__)  # type: ignore[method-assign]
 for _name in MOVED_TO_SELECTION:
     setattr(BlendConfig, _name, _moved_attribute(_name))
+del _name
 
 
 def check_kv_dtype(kv_dtype: object) -> str:
