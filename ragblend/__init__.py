@@ -1,6 +1,6 @@
 """ragblend: CacheBlend (fused chunk KV caches with selective recompute) on HF transformers."""
 
-from ragblend.config import BlendConfig
+from ragblend.config import BlendConfig, SelectionPolicy
 from ragblend.decode import BlendResult, BlendStats, BlendStream, SamplingParams
 from ragblend.engine import BlendEngine
 from ragblend.errors import RagblendError, UnsupportedModelError
@@ -14,6 +14,7 @@ __all__ = [
     "BlendStream",
     "PromptFormat",
     "SamplingParams",
+    "SelectionPolicy",
     "RagblendError",
     "UnsupportedModelError",
 ]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from ragblend.errors import RagblendError
 from ragblend.kernels import (
@@ -47,6 +49,67 @@ NeighbourRows = Literal["reused", "computed"]
 NEIGHBOUR_ROWS: tuple[str, ...] = get_args(NeighbourRows)
 
 
+@dataclass(frozen=True)
+class SelectionPolicy:
+    """The selection levers measured against :class:`BlendConfig`'s defaults that did not win:
+    each is off, or at the value the measurements kept (docs/configuration.md, "Selection
+    policy"). For experiments: ``BlendConfig(selection=SelectionPolicy(cached_temperature=1.06))``.
+
+    deviation: which cached tensor KV deviation is measured on: ``"k"``, ``"v"`` or ``"kv"``
+        (``"v"`` tied with ``"kv"``, ``"k"`` lost: ``sweep1``, ``sweep_final``).
+    cached_temperature: attention logits to rows still served from the cache (not recomputed
+        on that layer) are divided by this temperature during a blend prefill (APE); the KV
+        kept for decoding is unchanged, and full KV reuse (``mode="reuse"``) is not tempered.
+        1.0: off (1.06 helped isolated caches and hurt neighbour-aware ones).
+    fitted_chunk_weight: a chunk whose cache was precomputed after the chunk that precedes it
+        in the prompt (one of its precompute neighbours, recorded in the entry) is nearly
+        what full prefill computes: its rows' selector scores are multiplied by this weight,
+        and below 1 its chunk starts are not always kept (0: its rows are recomputed only
+        after every other row). 1.0: off (0.5, 0.25 and 0 tied with it on held-out questions).
+        Needs a neighbour context.
+    adaptive_mass: instead of a fixed ratio, a check layer keeps the fewest top-scored rows
+        covering this share of the selector's score mass, clamped to ``adaptive_ratio``
+        (min, max) × the check layer's scale. ``None``: off (faster, worse fidelity).
+    """
+
+    deviation: Literal["k", "v", "kv"] = "kv"
+    cached_temperature: float = 1.0
+    fitted_chunk_weight: float = 1.0
+    adaptive_mass: float | None = None
+    adaptive_ratio: tuple[float, float] = (0.05, 0.3)
+
+    def __post_init__(self) -> None:
+        if self.deviation not in ("k", "v", "kv"):
+            raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
+        t = self.cached_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise RagblendError(f"cached_temperature must be a number > 0, got {t!r}")
+        w = self.fitted_chunk_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+            raise RagblendError(f"fitted_chunk_weight must be a number in [0, 1], got {w!r}")
+        mass = self.adaptive_mass
+        if mass is not None and (
+            isinstance(mass, bool) or not isinstance(mass, (int, float)) or not 0 < mass <= 1
+        ):
+            raise RagblendError(f"adaptive_mass must be None or a number in (0, 1], got {mass!r}")
+        bounds = self.adaptive_ratio
+        if (
+            not isinstance(bounds, (tuple, list))
+            or len(bounds) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+            or not 0 <= bounds[0] <= bounds[1] <= 1
+        ):
+            raise RagblendError(
+                f"adaptive_ratio must be (min, max) with 0 <= min <= max <= 1, got {bounds!r}"
+            )
+        # a list is accepted as before; a tuple keeps the policy hashable
+        object.__setattr__(self, "adaptive_ratio", tuple(bounds))
+
+
+# BlendConfig's former fields that live in its ``selection`` now: deprecated aliases
+MOVED_TO_SELECTION: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SelectionPolicy))
+
+
 @dataclass
 class BlendConfig:
     """Settings of the CacheBlend fusion path.
@@ -61,7 +124,6 @@ class BlendConfig:
         within the previous selection. ``None`` means 1.0 at every check layer; the rows kept
         at the last check layer are recomputed on all later layers.
     selector: name of a registered token selector (``kv-deviation``).
-    deviation: which cached tensor the deviation is measured on: ``"k"``, ``"v"`` or ``"kv"``.
     chunk_start_tokens: the first k tokens of every cached chunk are always recomputed (kept at
         every check layer, within the budget when it allows; EPIC's per-chunk attention sinks).
         0: off. Combines with any selector.
@@ -69,18 +131,11 @@ class BlendConfig:
         after the chunk starts (kept at every check layer, closest to the question first,
         always inside the budget): the rows the question reads most closely. 0: off.
         Combines with any selector.
-    cached_temperature: attention logits to rows still served from the cache (not recomputed
-        on that layer) are divided by this temperature during a blend prefill (APE); the KV
-        kept for decoding is unchanged, and full KV reuse (``mode="reuse"``) is not tempered.
-        1.0: off.
-    fitted_chunk_weight: a chunk whose cache was precomputed after the chunk that precedes it
-        in the prompt (one of its precompute neighbours, recorded in the entry) is nearly
-        what full prefill computes: its rows' selector scores are multiplied by this weight,
-        and below 1 its chunk starts are not always kept (0: its rows are recomputed only
-        after every other row). 1.0: off. Needs a neighbour context.
-    adaptive_mass: instead of a fixed ratio, a check layer keeps the fewest top-scored rows
-        covering this share of the selector's score mass, clamped to ``adaptive_ratio``
-        (min, max) × the check layer's scale. ``None``: off (the fixed ``ratio``).
+    selection: the selection levers that were measured against these defaults and did not
+        win (:class:`SelectionPolicy`), for experiments. Their old names (``deviation``,
+        ``cached_temperature``, ``fitted_chunk_weight``, ``adaptive_mass``,
+        ``adaptive_ratio``) still work as keyword arguments and attributes, with a
+        ``DeprecationWarning``.
     weights: ``"auto"`` (default) keeps a GGUF's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1,
         Q8_0, Q4_K, Q5_K, Q6_K) as stored on CPU: decode steps read the blocks through native
         kernels, prefills dequantize them (``ragblend.models.quantized``), once and kept where
@@ -175,16 +230,11 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1, 10)
     check_scales: tuple[float, ...] | None = (1.5, 1.0)
     selector: str = "kv-deviation"
-    deviation: Literal["k", "v", "kv"] = "kv"
     # Chosen on neighbour-aware caches (issue 54, docs/neighbour_caches.md): the chunk starts
-    # and the rows nearest the question carry most of the KL that recompute can remove, and
-    # APE's temperature (1.06, chosen on isolated caches) hurt the first token there.
+    # and the rows nearest the question carry most of the KL that recompute can remove.
     chunk_start_tokens: int = 16
     near_question_tokens: int = 256
-    cached_temperature: float = 1.0
-    fitted_chunk_weight: float = 1.0
-    adaptive_mass: float | None = None
-    adaptive_ratio: tuple[float, float] = (0.05, 0.3)
+    selection: SelectionPolicy = field(default_factory=SelectionPolicy, kw_only=True)
     # Template-independent: a chunk warmed once hits under any template or system prompt, at
     # +2.8 % blend answer KL vs the exact head (benchmarks/context_choice.py). Neighbours where
     # the engine has a neighbour source (else exactly canonical, same key): on held-out dev
@@ -238,9 +288,11 @@ class BlendConfig:
                 raise RagblendError(
                     f"check_scales must be positive and non-increasing, got {self.check_scales}"
                 )
-        if self.deviation not in ("k", "v", "kv"):
-            raise RagblendError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
         check_selection_options(self)
+        if not isinstance(self.selection, SelectionPolicy):
+            raise RagblendError(
+                f"selection must be a SelectionPolicy, got {type(self.selection).__name__}"
+            )
         check_kv_dtype(self.kv_dtype)
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise RagblendError(f"namespace must be a string or None, got {self.namespace!r}")
@@ -285,6 +337,52 @@ class BlendConfig:
         return [(layer, min(1.0, ratio * s)) for layer, s in zip(self.check_layers, scales)]
 
 
+def _warn_moved(name: str) -> None:
+    warnings.warn(
+        f"BlendConfig.{name} is deprecated: it moved to BlendConfig.selection "
+        f"(BlendConfig(selection=SelectionPolicy({name}=...)), config.selection.{name})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _accepting_moved_names(init: Any) -> Any:
+    """The dataclass ``__init__`` taking the moved names too: each warns and lands in the
+    ``selection`` given (else the default one), so ``dataclasses.replace(config,
+    cached_temperature=1.06)`` keeps the rest of ``config.selection``."""
+
+    @functools.wraps(init)
+    def __init__(self: BlendConfig, *args: Any, **kwargs: Any) -> None:
+        moved = {name: kwargs.pop(name) for name in MOVED_TO_SELECTION if name in kwargs}
+        if moved:
+            for name in moved:
+                _warn_moved(name)
+            selection = kwargs.get("selection", SelectionPolicy())
+            if isinstance(selection, SelectionPolicy):  # else __post_init__ says why
+                kwargs["selection"] = dataclasses.replace(selection, **moved)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _moved_attribute(name: str) -> property:
+    def get(config: BlendConfig) -> Any:
+        _warn_moved(name)
+        return getattr(config.selection, name)
+
+    def set_(config: BlendConfig, value: Any) -> None:
+        _warn_moved(name)
+        config.selection = dataclasses.replace(config.selection, **{name: value})
+
+    return property(get, set_, doc=f"Deprecated: ``selection.{name}``.")
+
+
+BlendConfig.__init__ = _accepting_moved_names(BlendConfig.__init__)  # type: ignore[method-assign]
+for _name in MOVED_TO_SELECTION:
+    setattr(BlendConfig, _name, _moved_attribute(_name))
+del _name
+
+
 def check_kv_dtype(kv_dtype: object) -> str:
     """``kv_dtype`` if it names a storage dtype or codec of chunk KV (or ``"auto"``), else a
     RagblendError naming them."""
@@ -316,32 +414,12 @@ def check_mode(mode: str) -> str:
 
 
 def check_selection_options(config: BlendConfig) -> None:
-    """A RagblendError naming the first invalid selection option of ``config``."""
+    """A RagblendError naming the first invalid selection option of ``config`` (its
+    ``selection`` checks itself)."""
     for name in ("chunk_start_tokens", "near_question_tokens"):
         k = getattr(config, name)
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise RagblendError(f"{name} must be an integer >= 0, got {k!r}")
-    t = config.cached_temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        raise RagblendError(f"cached_temperature must be a number > 0, got {t!r}")
-    w = config.fitted_chunk_weight
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
-        raise RagblendError(f"fitted_chunk_weight must be a number in [0, 1], got {w!r}")
-    mass = config.adaptive_mass
-    if mass is not None and (
-        isinstance(mass, bool) or not isinstance(mass, (int, float)) or not 0 < mass <= 1
-    ):
-        raise RagblendError(f"adaptive_mass must be None or a number in (0, 1], got {mass!r}")
-    bounds = config.adaptive_ratio
-    if (
-        not isinstance(bounds, (tuple, list))
-        or len(bounds) != 2
-        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
-        or not 0 <= bounds[0] <= bounds[1] <= 1
-    ):
-        raise RagblendError(
-            f"adaptive_ratio must be (min, max) with 0 <= min <= max <= 1, got {bounds!r}"
-        )
 
 
 def check_ratio(ratio: object) -> None:

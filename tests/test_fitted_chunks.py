@@ -8,7 +8,7 @@ import pytest
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import assert_matches_hf, engine_for, fuse_prompt, hf_forward
 
-from ragblend import BlendConfig, BlendEngine
+from ragblend import BlendConfig, BlendEngine, SelectionPolicy
 from ragblend.bench.gpu_ops import DeviceTracker, count_prefill
 from ragblend.errors import RagblendError
 from ragblend.fusion.rows import prompt_rows
@@ -18,6 +18,8 @@ from ragblend.store.memory import MemoryStore
 
 # CHUNKS[1] and CHUNKS[2] are precomputed after CHUNKS[0]; CHUNKS[0] alone
 NEIGHBOURS = {CHUNKS[0]: [], CHUNKS[1]: [CHUNKS[0]], CHUNKS[2]: [CHUNKS[0]]}
+# fitted chunks' rows after every other row
+FITTED_LAST = SelectionPolicy(fitted_chunk_weight=0.0)
 
 
 def _engine(tokenizer, model=None, **config) -> BlendEngine:
@@ -74,7 +76,7 @@ def test_fitted_rows_are_ranked_by_their_lowered_score_and_lose_their_chunk_star
         check_scales=None,
         chunk_start_tokens=2,
         near_question_tokens=0,
-        fitted_chunk_weight=weight,
+        selection=SelectionPolicy(fitted_chunk_weight=weight),
     )
     engine.precompute(CHUNKS, neighbours=NEIGHBOURS)
     _, rows, trace = _kept(engine, 0.0)
@@ -102,7 +104,7 @@ def test_fitted_rows_are_ranked_by_their_lowered_score_and_lose_their_chunk_star
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fitted_weight_zero_at_ratio_one_equals_hf_full_prefill(tokenizer, family):
-    engine = _engine(tokenizer, tiny_model(family), ratio=1.0, fitted_chunk_weight=0.0)
+    engine = _engine(tokenizer, tiny_model(family), ratio=1.0, selection=FITTED_LAST)
     engine.precompute(CHUNKS, neighbours=NEIGHBOURS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     out = engine.prefill(prompt, "blend")
@@ -116,14 +118,14 @@ def test_fitted_weight_changes_nothing_without_a_fitted_chunk(tokenizer):
     )
     engine.precompute(CHUNKS)
     plain, _, _ = _kept(engine, 0.3)
-    lowered, _, _ = _kept(engine.with_config(fitted_chunk_weight=0.0), 0.3)
+    lowered, _, _ = _kept(engine.with_config(selection=FITTED_LAST), 0.3)
     assert plain == lowered
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0"])
 def test_bad_fitted_chunk_weight_is_one_clear_error(bad):
     with pytest.raises(RagblendError, match="fitted_chunk_weight"):
-        BlendConfig(fitted_chunk_weight=bad)
+        BlendConfig(selection=SelectionPolicy(fitted_chunk_weight=bad))
 
 
 def test_lowering_the_fitted_rows_reads_nothing_back_from_the_device(tokenizer):
@@ -141,7 +143,7 @@ def test_lowering_the_fitted_rows_reads_nothing_back_from_the_device(tokenizer):
     tracker = DeviceTracker.for_model(model)
     plain = count_prefill(engine, prompt, "blend", tracker=tracker)
     lowered = count_prefill(
-        engine.with_config(fitted_chunk_weight=0.0), prompt, "blend", tracker=tracker
+        engine.with_config(selection=FITTED_LAST), prompt, "blend", tracker=tracker
     )
     assert plain.syncs_per_prefill == lowered.syncs_per_prefill == 0
     assert lowered.kernels_per_check_layer > plain.kernels_per_check_layer  # it did run

@@ -7,13 +7,13 @@ import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import assert_matches_hf, engine_for, fuse_prompt, hf_forward
 
-from ragblend import BlendConfig
+from ragblend import BlendConfig, SelectionPolicy
 from ragblend.errors import RagblendError
 from ragblend.fusion.attention import RowAttentionPlan, attend_rows
 from ragblend.fusion.rows import prompt_rows
 from ragblend.fusion.selection import (
     CachedKeyTemperature,
-    SelectionPolicy,
+    SelectorWithOptions,
     cached_key_temper,
     last_observed_layer,
 )
@@ -25,10 +25,14 @@ PLAIN = dict(chunk_start_tokens=0, near_question_tokens=0)  # the selector's row
 EVERY_OPTION = dict(
     selector="relevance-kv",
     chunk_start_tokens=4,
-    cached_temperature=1.3,
-    adaptive_mass=0.6,
-    adaptive_ratio=(0.05, 0.5),
+    selection=SelectionPolicy(
+        cached_temperature=1.3, adaptive_mass=0.6, adaptive_ratio=(0.05, 0.5)
+    ),
 )
+
+
+def _temperature(t: float) -> SelectionPolicy:
+    return SelectionPolicy(cached_temperature=t)
 
 
 def _fused(engine, selector=None, ratio=None, trace=None):
@@ -122,7 +126,7 @@ def test_temper_divides_only_logits_to_rows_still_served_from_the_cache(tokenize
     engine.precompute(CHUNKS)
     segments, _ = engine.chunks.lookup(engine.tokenize(QUESTION, CHUNKS))
     rows = prompt_rows(segments, "cpu")
-    policy = SelectionPolicy(RandomSelector(), cached_temperature=2.0)
+    policy = SelectorWithOptions(RandomSelector(), cached_temperature=2.0)
     temper = cached_key_temper(policy, rows)
     torch.manual_seed(0)
     keys, values = torch.randn(1, 2, rows.n, 16), torch.randn(1, 2, rows.n, 16)
@@ -145,7 +149,7 @@ def test_temper_divides_only_logits_to_rows_still_served_from_the_cache(tokenize
     assert torch.equal(
         temper.attend(q, keys, values, plan, 0.25, every), attend_rows(q, keys, values, plan, 0.25)
     )
-    off = SelectionPolicy(RandomSelector(), cached_temperature=1.0)
+    off = SelectorWithOptions(RandomSelector(), cached_temperature=1.0)
     assert cached_key_temper(off, rows) is None
 
 
@@ -159,10 +163,10 @@ def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tok
         **PLAIN,
     )
     engine.precompute(CHUNKS)
-    plain, _ = _fused(engine.with_config(cached_temperature=1.0))
-    same, _ = _fused(engine.with_config(cached_temperature=1.0, chunk_start_tokens=0))
+    plain, _ = _fused(engine.with_config(selection=_temperature(1.0)))
+    same, _ = _fused(engine.with_config(selection=_temperature(1.0), chunk_start_tokens=0))
     assert torch.equal(plain.logits, same.logits)
-    hot, _ = _fused(engine.with_config(cached_temperature=2.0))
+    hot, _ = _fused(engine.with_config(selection=_temperature(2.0)))
     assert torch.equal(hot.selected, plain.selected)  # selection happens before any tempering
     assert not torch.allclose(hot.logits, plain.logits)
     stale = torch.ones(plain.keys[0].shape[2], dtype=torch.bool)
@@ -172,20 +176,20 @@ def test_cached_temperature_changes_the_prefill_but_keeps_decode_kv_unscaled(tok
 
 
 def test_cached_temperature_is_a_blend_option_and_leaves_full_kv_reuse_alone(tokenizer):
-    engine = engine_for(tiny_model("llama"), tokenizer, cached_temperature=1.0)
+    engine = engine_for(tiny_model("llama"), tokenizer, selection=_temperature(1.0))
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     reuse = engine.prefill(prompt, "reuse").logits
-    hot = engine.with_config(cached_temperature=2.0)
+    hot = engine.with_config(selection=_temperature(2.0))
     assert torch.equal(hot.prefill(prompt, "reuse").logits, reuse)
     blend = engine.prefill(prompt, "blend").logits
     assert not torch.equal(hot.prefill(prompt, "blend").logits, blend)
 
 
 def test_options_around_a_one_layer_selector_do_not_make_the_fusor_show_it_every_layer():
-    plain = SelectionPolicy(RandomSelector(), cached_temperature=1.06, chunk_start_tokens=4)
+    plain = SelectorWithOptions(RandomSelector(), cached_temperature=1.06, chunk_start_tokens=4)
     assert last_observed_layer(plain, (1, 10)) == -1
-    relevance = SelectionPolicy(QuestionRelevanceSelector(), cached_temperature=1.06)
+    relevance = SelectorWithOptions(QuestionRelevanceSelector(), cached_temperature=1.06)
     assert last_observed_layer(relevance, (1, 10)) == 10
 
 
@@ -210,7 +214,7 @@ def test_adaptive_ratio_keeps_the_rows_covering_the_mass_within_the_ratio_bounds
     forced = int(rows.forced.sum())
 
     def kept(selector, mass, bounds):
-        policy = SelectionPolicy(selector, adaptive_mass=mass, adaptive_ratio=bounds)
+        policy = SelectorWithOptions(selector, adaptive_mass=mass, adaptive_ratio=bounds)
         out, _ = _fused(engine, selector=policy)
         return out.selected.numel() - forced
 
@@ -254,7 +258,10 @@ def test_every_option_on_at_a_low_ratio_runs_and_recomputes_a_share(tokenizer):
 def test_bad_selection_options_are_one_clear_error(bad):
     name = next(iter(bad))
     with pytest.raises(RagblendError, match=name):
-        BlendConfig(**bad)
+        if name in ("chunk_start_tokens", "near_question_tokens"):
+            BlendConfig(**bad)
+        else:
+            BlendConfig(selection=SelectionPolicy(**bad))
 
 
 def test_relevance_selector_without_observed_layers_uses_the_check_layer_alone(tokenizer):

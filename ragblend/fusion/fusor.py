@@ -32,7 +32,7 @@ class Segment:
     ``computed``: the cache was computed for this prompt, not served from the store.
     ``fits``: the cache was precomputed after the chunk that precedes it in this prompt (one
     of its precompute neighbours), so it is nearly what full prefill computes
-    (``BlendConfig.fitted_chunk_weight``).
+    (``BlendConfig.selection.fitted_chunk_weight``).
     """
 
     kind: str

@@ -6,7 +6,7 @@ that a plain selector (scores only) keeps working unchanged:
 - :func:`observe`: selectors with multi-layer signals see every layer up to the last check
   layer (:class:`LayerObserver`);
 - :func:`choose_rows`: which candidates a check layer keeps for a row budget (top-k unless a
-  :class:`SelectionPolicy` says otherwise);
+  :class:`SelectorWithOptions` says otherwise);
 - :func:`cached_key_temper`: how attention tempers the rows still served from the cache
   (APE), :class:`CachedKeyTemperature`.
 """
@@ -46,10 +46,10 @@ def observe(selector: TokenSelector | None, check: CheckLayer) -> None:
 def last_observed_layer(selector: TokenSelector | None, check_layers: Iterable[int]) -> int:
     """The last layer the fusor must show ``selector`` (-1: only its check layers).
 
-    A :class:`SelectionPolicy` observes only when the selector it wraps does: showing layers
+    A :class:`SelectorWithOptions` observes only when the selector it wraps does: showing layers
     costs the fusor a rotated copy of the cached keys and a :class:`CheckLayer` per layer.
     """
-    inner = selector.inner if isinstance(selector, SelectionPolicy) else selector
+    inner = selector.inner if isinstance(selector, SelectorWithOptions) else selector
     if not isinstance(inner, LayerObserver):
         return -1
     return max(check_layers, default=-1)
@@ -66,7 +66,7 @@ def choose_rows(
     selector: TokenSelector, check: CheckLayer, scores: torch.Tensor, budget: int
 ) -> torch.Tensor:
     """Local indices into ``check.candidates`` a check layer keeps, given ``scores`` [m]."""
-    if isinstance(selector, SelectionPolicy):
+    if isinstance(selector, SelectorWithOptions):
         return selector.choose(check, scores, budget)
     return top_rows(scores, budget)
 
@@ -76,7 +76,7 @@ def cached_key_temper(
 ) -> CachedKeyTemperature | None:
     """The attention temperature of ``selector``'s options for this prompt, or ``None`` when
     no temperature is set (T = 1); ``one_pass``: see :class:`CachedKeyTemperature`."""
-    if not isinstance(selector, SelectionPolicy) or selector.cached_temperature == 1.0:
+    if not isinstance(selector, SelectorWithOptions) or selector.cached_temperature == 1.0:
         return None
     return CachedKeyTemperature(
         selector.cached_temperature, rows.cached & ~rows.exact, one_pass=one_pass
@@ -175,8 +175,9 @@ class CachedKeyTemperature:
             keys.index_copy_(2, rows, original)
 
 
-class SelectionPolicy:
-    """A selector with the selection options of a :class:`BlendConfig` applied around it.
+class SelectorWithOptions:
+    """A selector with the selection options of a :class:`BlendConfig` applied around it
+    (its chunk starts and rows near the question, and its ``selection`` policy's levers).
 
     chunk_start_tokens: the first k rows of every cached chunk (the per-chunk attention sinks
         that independent precompute creates; EPIC) are always kept at every check layer —
@@ -219,13 +220,15 @@ class SelectionPolicy:
 
     @classmethod
     def wrap(cls, inner: TokenSelector, config: BlendConfig) -> TokenSelector:
-        """``inner`` wrapped with ``config``'s options, or ``inner`` itself when none is on."""
+        """``inner`` wrapped with ``config``'s options (its chunk starts, rows near the
+        question and ``selection`` policy), or ``inner`` itself when none is on."""
+        policy = config.selection
         if (
             not config.chunk_start_tokens
             and not config.near_question_tokens
-            and config.adaptive_mass is None
-            and config.cached_temperature == 1.0
-            and config.fitted_chunk_weight == 1.0
+            and policy.adaptive_mass is None
+            and policy.cached_temperature == 1.0
+            and policy.fitted_chunk_weight == 1.0
         ):
             return inner
         scales = config.check_scales or (1.0,) * len(config.check_layers)
@@ -233,11 +236,11 @@ class SelectionPolicy:
             inner,
             chunk_start_tokens=config.chunk_start_tokens,
             near_question_tokens=config.near_question_tokens,
-            adaptive_mass=config.adaptive_mass,
-            adaptive_ratio=(float(config.adaptive_ratio[0]), float(config.adaptive_ratio[1])),
+            adaptive_mass=policy.adaptive_mass,
+            adaptive_ratio=(float(policy.adaptive_ratio[0]), float(policy.adaptive_ratio[1])),
             check_scales=dict(zip(config.check_layers, scales)),
-            cached_temperature=config.cached_temperature,
-            fitted_chunk_weight=config.fitted_chunk_weight,
+            cached_temperature=policy.cached_temperature,
+            fitted_chunk_weight=policy.fitted_chunk_weight,
         )
 
     def observe(self, check: CheckLayer) -> None:
@@ -349,7 +352,7 @@ def make_selector(config: BlendConfig) -> TokenSelector:
     """The selector ``config.selector`` names, built from ``config``.
 
     With a selection option on (chunk starts, rows near the question, adaptive ratio,
-    cached-row temperature) it comes wrapped in a :class:`SelectionPolicy` that applies them.
+    cached-row temperature) it comes wrapped in a :class:`SelectorWithOptions` that applies them.
     """
     try:
         factory = SELECTORS[config.selector]
@@ -357,4 +360,20 @@ def make_selector(config: BlendConfig) -> TokenSelector:
         raise RagblendError(
             f"unknown selector {config.selector!r}; available: {', '.join(SELECTORS)}"
         ) from None
-    return SelectionPolicy.wrap(factory(config), config)
+    return SelectorWithOptions.wrap(factory(config), config)
+
+
+def __getattr__(name: str) -> object:
+    # the wrapper was ``SelectionPolicy`` until that name went to the config value
+    # (``ragblend.config.SelectionPolicy``); benchmarks still import it under the old name
+    if name == "SelectionPolicy":
+        import warnings
+
+        warnings.warn(
+            "ragblend.fusion.selection.SelectionPolicy is deprecated: the selector wrapper is "
+            "SelectorWithOptions; ragblend.SelectionPolicy is BlendConfig.selection's value",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return SelectorWithOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

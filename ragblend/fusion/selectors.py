@@ -299,15 +299,17 @@ def _relative_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 SelectorFactory = Callable[["BlendConfig"], TokenSelector]
 
 SELECTORS: dict[str, SelectorFactory] = {
-    "kv-deviation": lambda config: KVDeviationSelector(config.deviation),
-    "kv-relative": lambda config: RelativeKVDeviationSelector(config.deviation),
+    "kv-deviation": lambda config: KVDeviationSelector(config.selection.deviation),
+    "kv-relative": lambda config: RelativeKVDeviationSelector(config.selection.deviation),
     "attention": lambda config: QuestionAttentionSelector(),
-    "kv-attention": lambda config: DeviationTimesAttentionSelector(config.deviation),
+    "kv-attention": lambda config: DeviationTimesAttentionSelector(config.selection.deviation),
     "random": lambda config: RandomSelector(),
-    "chunk-kv": lambda config: ChunkKVSelector(config.deviation),
+    "chunk-kv": lambda config: ChunkKVSelector(config.selection.deviation),
     "relevance": lambda config: QuestionRelevanceSelector(),
-    "relevance-kv": lambda config: RelevanceKVSelector(config.deviation, "rank"),
-    "relevance-kv-product": lambda config: RelevanceKVSelector(config.deviation, "product"),
+    "relevance-kv": lambda config: RelevanceKVSelector(config.selection.deviation, "rank"),
+    "relevance-kv-product": lambda config: RelevanceKVSelector(
+        config.selection.deviation, "product"
+    ),
 }
 
 
