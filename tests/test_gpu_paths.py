@@ -216,7 +216,6 @@ def test_cuda_embedded_model_blend_at_ratio_one_matches_full_prefill(strict_fp32
 def test_gpu_bench_tiny_cpu_smoke(tmp_path, monkeypatch):
     """benchmarks/gpu_bench.py end to end on CPU with the tiny shape (seconds)."""
     monkeypatch.setenv("RAGBLEND_HOME", str(tmp_path / "home"))  # controller profile goes here
-    monkeypatch.syspath_prepend(str(BENCH.parent))  # its parts sit beside it, as for a script
     spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_bench", bench)  # its dataclasses look themselves up

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+DATASET = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
 WEIGHTS = ("dequantize", "auto")
 
 

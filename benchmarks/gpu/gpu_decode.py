@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run from a checkout without an installed ragblend
     sys.path.insert(0, str(REPO))
 

@@ -1,9 +1,10 @@
 """One prefill per mode under torch.profiler: host time, kernel time, launches and syncs.
 
 For each model shape (``ragblend.bench.shapes``; random weights built on the device, driven
-with token ids only) the engine is built as ``gpu_bench.py`` builds it (``gpu_shape.py``): the
-``--layout`` chunks precomputed, then held in a RAM store (on CUDA: copies in pinned host
-memory, gpu_shape's ``ram`` tier; layers loaded on the calling thread). Per mode, after
+with token ids only) the engine is built as ``gpu_bench.py`` builds it
+(``ragblend.bench.gpu_shape``): the ``--layout`` chunks precomputed, then held in a RAM store (on
+CUDA: copies in pinned host memory, gpu_shape's ``ram`` tier; layers loaded on the calling
+thread). Per mode, after
 ``--warmup`` unprofiled prefills: the median wall time of ``--repeats`` unprofiled prefills
 (``perf_counter`` with ``torch.cuda.synchronize()`` before and after on CUDA), then ONE
 prefill under ``torch.profiler.profile`` (CPU activity, and CUDA on CUDA), inside a
@@ -21,7 +22,7 @@ Reported per mode:
 * ``kernel_launches``: on CUDA the launch runtime calls (``cudaLaunchKernel``,
   ``cudaLaunchKernelExC``, ``cuLaunchKernel``, ``cuLaunchKernelEx``; a trailing ``_vNNNN`` is
   ignored); on CPU, as a stand-in, the leaf aten/custom op events that would launch a kernel
-  (not views, allocations or metadata queries: ``ragblend.bench.gpu_ops.NON_KERNEL_OPS``),
+  (not views, allocations or metadata queries: ``ragblend.bench.op_kinds.NON_KERNEL_OPS``),
   ``source`` says which;
 * ``syncs``: counts per name of ``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
   ``cudaEventSynchronize``, ``cudaMemcpy`` (not ``…Async``) and the op events
@@ -55,7 +56,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run from a checkout without an installed ragblend
     sys.path.insert(0, str(REPO))
 
@@ -70,7 +71,7 @@ from ragblend.store.base import ChunkKV  # noqa: E402
 from ragblend.store.memory import MemoryStore  # noqa: E402
 
 try:  # what would launch no kernel on a GPU (views, allocations, metadata)
-    from ragblend.bench.gpu_ops import NON_KERNEL_OPS, SYNC_ONLY_OPS
+    from ragblend.bench.op_kinds import NON_KERNEL_OPS, SYNC_ONLY_OPS
 
     NON_KERNEL = frozenset(p._qualified_op_name for p in NON_KERNEL_OPS | SYNC_ONLY_OPS)
 except (ImportError, AttributeError):  # pragma: no cover - a torch without the names

@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from ragblend import BlendConfig, BlendEngine
-from ragblend.bench.datasets import load_cases
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
+from ragblend.bench.datasets import DEV_DATASET, load_cases
 
 
 def ttft_ms(engine: BlendEngine, prompt, mode: str) -> float:
@@ -32,7 +29,7 @@ def ttft_ms(engine: BlendEngine, prompt, mode: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", default=str(DATA))
+    ap.add_argument("--dataset", default=str(DEV_DATASET))
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)

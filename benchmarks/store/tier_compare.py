@@ -33,7 +33,7 @@ from ragblend.bench.datasets import load_cases
 from ragblend.store import MemoryStore
 from ragblend.store.redis import RedisEntry, RedisStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from redis_server import RedisServer  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""gpu_bench.py's report: the console tables and the two plots per model shape."""
+"""``benchmarks/gpu_bench.py``'s report: the console tables and the two plots per model shape."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""gpu_bench.py's run of one model shape: build, precompute, fill the tiers, time, plot.
+"""``benchmarks/gpu_bench.py``'s run of one model shape: build, precompute, fill tiers, time, plot.
 
 Builds the random-weight model (``ragblend.bench.shapes``), precomputes every chunk of every
 layout into a device-resident master store, copies the entries into each KV tier under test,
 asks the loading controller for its decisions, then runs the interleaved TTFT sweep and the
-request-rate sweep (``gpu_timing``) and draws the plots (``gpu_report``).
+request-rate sweep (:mod:`ragblend.bench.gpu_timing`) and draws the plots
+(:mod:`ragblend.bench.gpu_report`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from gpu_report import plot_shape, print_layout, print_rates
-from gpu_timing import floats, layout_sweep, make_variants, rate_sweep
 
 from ragblend.bench.environment import filesystem_of
+from ragblend.bench.gpu_report import plot_shape, print_layout, print_rates
+from ragblend.bench.gpu_timing import floats, layout_sweep, make_variants, rate_sweep
 from ragblend.bench.harness import peak_memory, sync
 from ragblend.bench.shapes import SHAPES, pinned, random_ids, shape_engine
 from ragblend.engine import BlendEngine
 from ragblend.prompt import TokenizedPrompt
 from ragblend.store import make_store
-from ragblend.store.base import ChunkKV
+from ragblend.store.base import ChunkKV, KVEntry, KVStore
 from ragblend.store.memory import MemoryStore
 from ragblend.store.quant import to_cpu
 
@@ -52,7 +53,7 @@ def tier_stores(
     are copied on the compute stream); ``ram_prefetch`` > 0 gives it the disk tier's pipelined
     loader instead.
     """
-    stores = {}
+    stores: dict[str, KVStore] = {}
     keys = master.keys()
     for tier in tiers:
         if tier == "device":
@@ -62,7 +63,7 @@ def tier_stores(
             if ram_prefetch:  # read by the engine: pipelined loading (CUDA side stream)
                 ram.prefetch_depth = ram_prefetch
             for key in keys:
-                kv = master.get(key)
+                kv = _entry(master, key)
                 pin = device.type == "cuda"
                 if isinstance(kv, ChunkKV):
                     ram.put(key, ChunkKV(pinned(kv.k, pin), pinned(kv.v, pin), dict(kv.meta)))
@@ -72,11 +73,18 @@ def tier_stores(
         elif tier == "disk":
             disk = make_store("disk", path=store_root / "kv", disk_bytes=1 << 40)
             for key in keys:
-                disk.put(key, master.get(key))
+                disk.put(key, _entry(master, key))
             stores[tier] = disk
         else:
             raise SystemExit(f"gpu_bench.py: error: unknown tier {tier!r} (ram, disk, device)")
     return stores
+
+
+def _entry(master: MemoryStore, key: str) -> KVEntry:
+    kv = master.get(key)
+    if kv is None:
+        raise RuntimeError(f"gpu_bench.py: the master store lost entry {key!r}")
+    return kv
 
 
 def view_for(engine: BlendEngine, store, controller=None) -> BlendEngine:

@@ -1,4 +1,4 @@
-"""gpu_bench.py's timing: interleaved TTFT per variant, the request-rate sweep, attention.
+"""``benchmarks/gpu_bench.py``'s timing: interleaved TTFT per variant, request rates, attention.
 
 Every prefill is timed with the device synchronised before and after (``sync``), so CUDA's
 asynchronous kernels are inside the clock.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -205,7 +206,7 @@ def rate_sweep(engine, view, pool, k, head, sep, args, vocab, device) -> dict:
     )
     equal = []
     for target in targets:
-        row = {"target_mean_ttft_ms": target}
+        row: dict[str, Any] = {"target_mean_ttft_ms": target}
         for mode in ("full", "blend"):
             row[mode] = max_rate_at(rates, [p["mean_ttft_ms"] for p in curves[mode]], target)
         f, b = row["full"]["rate"], row["blend"]["rate"]
