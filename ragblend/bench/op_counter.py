@@ -13,10 +13,11 @@ tensors that would live on the GPU — the model's parameters and buffers, what 
 with an explicit ``device=``, and every output of an op with such an input — from host tensors
 (token-id lists hashed into store keys, the RAM tier's entries): ops on host tensors only are
 neither kernels nor syncs (``host_ops``), a read of a host tensor is no sync, a ``copy_`` from a
-device tensor into a host one is (device→host). Without a tracker every tensor counts as a device tensor.
-Code that skips a host→device copy on CPU (``if device.type == "cpu": return host``) hides
-the upload from both modes: :data:`UPLOADS` names such functions, which a counter with a
-tracker wraps while it counts (their result is a device tensor, made by one copy kernel).
+device tensor into a host one is (device→host). Without a tracker every tensor counts as a
+device tensor. Code that skips a host→device copy on CPU (``if device.type == "cpu": return
+host``) hides the upload from both modes: :data:`~ragblend.bench.op_kinds.UPLOADS` names such
+functions, which a counter with a tracker wraps while it counts (their result is a device
+tensor, made by one copy kernel).
 
 Layers: forward pre-hooks on each decoder layer's ``input_layernorm`` (the first module both
 HF's forward and the fusor call in a layer; on the fused path, the fused RMSNorm op given that
