@@ -27,9 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ragblend import BlendEngine
-from ragblend.bench.datasets import load_cases
-from ragblend.bench.neighbours import with_dataset_neighbours
+from ragblend.bench import study
 from ragblend.store import MemoryStore
 
 
@@ -64,28 +62,22 @@ def approximate_rows(segments) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--offset", type=int, default=12)
-    ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
+    study.add_case_arguments(ap, offset=12, limit=8, max_new_tokens=None)
     ap.add_argument("--codecs", default="int8,int4,pca4,pca2")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", required=True)
+    study.add_output_arguments(ap)
     args = ap.parse_args()
     codecs = [c for c in args.codecs.split(",") if c]
-    engine = BlendEngine.from_pretrained(
+    engine = study.engine(
+        args,
         "embedded",
         dtype=args.dtype,
         kv_dtype="float32",
         exact_first_chunk=False,  # every chunk approximate in both runs: like with like
         store=MemoryStore(1 << 40),
     )
-    engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
     check = engine.config.check_layers[0]
-    cases = load_cases(
-        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
-    )[args.offset :]
+    cases = study.cases(args, engine.tokenizer)
     views = {c: engine.with_config(kv_dtype=c) for c in codecs}
     per: dict[str, list[dict]] = {c: [] for c in codecs}
     for i, case in enumerate(cases):

@@ -31,7 +31,6 @@ plot at the end).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -39,9 +38,8 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine
-from ragblend.bench.datasets import load_cases
+from ragblend.bench import study
 from ragblend.bench.metrics import add_decode_activations_argument, kl_divergence
-from ragblend.bench.neighbours import with_dataset_neighbours
 
 START_ROWS = 16
 PLACES = ("start", "first third", "middle third", "last third")
@@ -293,12 +291,7 @@ def plot(summary: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=12)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    study.add_case_arguments(ap, offset=0, limit=12, max_new_tokens=24)
     ap.add_argument("--precompute-context", default=None, help="default: the engine's")
     ap.add_argument(
         "--exact-first-chunk",
@@ -306,22 +299,17 @@ def main() -> None:
         help="serve the first chunk from its exact entry (the engine's default; off: every "
         "chunk from its neighbour cache, as the first map)",
     )
-    ap.add_argument("--name", default="error_map", help="stem of the output files")
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="auto")
+    study.add_model_arguments(ap, dtype="auto")
     add_decode_activations_argument(ap)
-    ap.add_argument("--out", required=True)
+    study.add_output_arguments(ap, name="error_map")
     args = ap.parse_args()
 
     overrides = {"precompute_context": args.precompute_context} if args.precompute_context else {}
     # without --exact-first-chunk, the neighbour caches' own error: every chunk from its cache
     overrides["exact_first_chunk"] = args.exact_first_chunk
     overrides["decode_activations"] = args.decode_activations
-    engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype, **overrides)
-    engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
-    cases = load_cases(
-        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
-    )[args.offset :]
+    engine = study.engine(args, args.model, dtype=args.dtype, **overrides)
+    cases = study.cases(args, engine.tokenizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -330,11 +318,9 @@ def main() -> None:
         records.append(measure(engine, case, args.max_new_tokens, engine.config.ratio))
         summary = summarize(records)
         summary["settings"] = {**vars(args), "config": repr(engine.config)}
-        (out / f"{args.name}.json").write_text(
-            json.dumps({"summary": summary, "per_question": records}, indent=2)
-        )
-        (out / f"{args.name}.md").write_text(markdown(summary))
-        print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
+        results = {"summary": summary, "per_question": records}
+        study.write_outputs(out, args.name, results, markdown(summary))
+        study.question_done(i, len(cases), t0)
     plot(summary, out / f"{args.name}.png")
     print(markdown(summary))
 

@@ -18,7 +18,6 @@ isolated reuse's).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine
-from ragblend.bench.datasets import load_cases
+from ragblend.bench import study
 from ragblend.bench.harness import Variant, run_benchmark
 from ragblend.bench.neighbours import dataset_neighbours
 from ragblend.store.memory import MemoryStore
@@ -98,11 +97,7 @@ def summarize(per_question: list[dict], warm: dict[str, list[float]], chunks: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--offset", type=int, default=20, help="skip the first N questions")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
+    study.add_case_arguments(ap, offset=20, limit=20)
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--neighbours", type=int, default=2, help="n of the neighbours context")
     ap.add_argument("--contexts", default="canonical,neighbours,previous")
@@ -111,17 +106,12 @@ def main() -> None:
         default="reused",
         help="comma list of neighbour_rows values to run each neighbour context with",
     )
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--name", default="neighbour_contexts_smollm2_fp32")
-    ap.add_argument("--out", required=True)
+    study.add_model_arguments(ap, dtype="float32")
+    study.add_output_arguments(ap, name="neighbour_contexts_smollm2_fp32")
     args = ap.parse_args()
 
     engine = BlendEngine.from_pretrained(args.model, dtype=args.dtype)
-    cases = load_cases(
-        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
-    )[args.offset :]
+    cases = study.cases(args, engine.tokenizer)
     ctx = contexts(engine, args)
     ctx["canonical"]["store"] = MemoryStore(STORE_BYTES)
     views = {name: engine.with_config(**o) for name, o in ctx.items()}
@@ -156,8 +146,8 @@ def main() -> None:
             "cached_temperature": engine.config.cached_temperature,
             "check_layers": list(engine.config.check_layers),
         }
-        (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-        print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
+        study.write_outputs(out, args.name, results)
+        study.question_done(i, len(cases), t0)
     print(table(results))
 
 

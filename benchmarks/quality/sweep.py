@@ -4,7 +4,7 @@ Every variant runs on the same questions, interleaved, and is scored by fidelity
 prefill (first-token KL, teacher-forced answer KL, answer agreement) and TTFT. Writes
 ``OUT/sweep.json`` and ``OUT/sweep.png`` (answer KL vs TTFT speedup).
 
-    python benchmarks/sweep.py --dataset ../shared/data/musique_dev.json --limit 8 --out OUT
+    python benchmarks/quality/sweep.py --dataset ../shared/data/musique_dev.json --limit 8 --out OUT
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine
-from ragblend.bench.datasets import load_cases
+from ragblend.bench import study
 from ragblend.bench.harness import Variant, run_benchmark
 
 
@@ -104,26 +104,19 @@ def variants(which: str) -> list[Variant]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--offset", type=int, default=0, help="skip the first N questions")
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
+    study.add_case_arguments(ap, offset=0, limit=8)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument(
         "--which",
         default="all",
         choices=("ratio", "selector", "query", "budget", "context", "final", "all"),
     )
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--out", required=True)
+    study.add_output_arguments(ap)
     args = ap.parse_args()
 
     engine = BlendEngine.from_pretrained(args.model)
-    cases = load_cases(
-        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
-    )[args.offset :]
+    cases = study.cases(args, engine.tokenizer)
     results = run_benchmark(engine, cases, variants(args.which), args.repeats, args.max_new_tokens)
     results["settings"] = {**vars(args), "n": len(cases), "torch_threads": torch.get_num_threads()}
     out = Path(args.out)

@@ -54,13 +54,12 @@ def read_diskcache(cache, keys: list[str]) -> tuple[float, float]:
 
 
 def main() -> None:
-    import diskcache
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    import diskcache  # the peer, not a ragblend dependency: --help runs without it
     root = Path(tempfile.mkdtemp(prefix="ragblend-diskcache-compare-"))
     store = DiskStore(root / "tier", fsync=False)
     cache = diskcache.Cache(str(root / "diskcache"))
