@@ -18,7 +18,7 @@ Each repeat runs every case once, in turn (interleaved); medians over repeats, w
 bytes a step reads and the rate it reads them at (``kv_bytes``: bf16; ``int8_kv_bytes``: the
 codes and their scales).
 
-    python benchmarks/decode_attention.py --out out/decode_attention
+    python benchmarks/decode/decode_attention.py --out out/decode_attention
 """
 
 from __future__ import annotations

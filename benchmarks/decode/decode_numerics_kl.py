@@ -1,6 +1,6 @@
 """Answer fidelity of the decode numerics modes against the exact decode, per token.
 
-    python benchmarks/decode_numerics_kl.py --model embedded --first 20 --count 10 \\
+    python benchmarks/decode/decode_numerics_kl.py --model embedded --first 20 --count 10 \\
         --variants int8/auto,float/int8,int8/int8 --out out/decode_numerics_kl.json
 
 A variant is ``ACTIVATIONS/KV_CACHE`` (``BlendConfig.decode_activations`` /

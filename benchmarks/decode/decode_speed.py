@@ -1,6 +1,6 @@
 """Decode tokens/s at a long context: DynamicCache vs StaticCache vs LayerDecoder (interleaved).
 
-    python benchmarks/decode_speed.py --context 3200 --tokens 32 --rounds 5
+    python benchmarks/decode/decode_speed.py --context 3200 --tokens 32 --rounds 5
 
 All variants decode greedily from the same full prefill of ``--context`` random tokens on the
 embedded model: "dynamic" is what decoding did first (HF's forward over a deep copy of the

@@ -1,7 +1,7 @@
 """Decode-step time of 1, 4 and 8 concurrent requests: what one step of a server's batch costs.
 
-    python benchmarks/decode_steps.py --out out/decode_steps.json
-    python benchmarks/decode_steps.py --model qwen2.5-0.5b-Q4_K_M.gguf --out …
+    python benchmarks/decode/decode_steps.py --out out/decode_steps.json
+    python benchmarks/decode/decode_steps.py --model qwen2.5-0.5b-Q4_K_M.gguf --out …
 
 For each ``--prompt-sizes`` entry ``KxN`` (the first MuSiQue dev case with its top K chunks of
 N tokens and the question), one full prefill; then ``ragblend.decode.decoder.decode_batch``

@@ -19,7 +19,7 @@ cases alike); each case is the mean of a few calls in a row, and the medians ove
 reported, with ``step_ms``: one decode step's linears (30 layers of the seven projections, q/k/v
 unfused, plus the LM head) from those medians.
 
-    python benchmarks/dense_bf16_decode.py --out out/dense_bf16_decode
+    python benchmarks/decode/dense_bf16_decode.py --out out/dense_bf16_decode
 """
 
 from __future__ import annotations

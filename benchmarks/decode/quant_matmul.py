@@ -14,9 +14,10 @@ the CPU's last-level cache (e.g. ``--shape 151936 896``, Qwen2.5-0.5B's LM head)
 memory as a decode step reads it; a smaller one may stay in that cache between calls, so its
 first case per repeat reads it from memory and the next ones from the cache.
 
-    python benchmarks/quant_matmul.py --out out/quant_matmul.json
-    python benchmarks/quant_matmul.py --types Q5_0,Q8_0 --shape 4864 896 --n 1,4,8 --out …
-    python benchmarks/quant_matmul.py --dtype bfloat16 --builds avx512_bf16,avx512 --n 1,4,8 …
+    python benchmarks/decode/quant_matmul.py --out out/quant_matmul.json
+    python benchmarks/decode/quant_matmul.py --types Q5_0,Q8_0 --shape 4864 896 --n 1,4,8 --out …
+    python benchmarks/decode/quant_matmul.py --dtype bfloat16 --builds avx512_bf16,avx512 \\
+        --n 1,4,8 …
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kept quantized blocks vs dequantized weights on one GGUF: TTFT and decode, interleaved.
 
-    python benchmarks/quant_weights.py [--model embedded] [--dtypes float32,bfloat16] \\
+    python benchmarks/decode/quant_weights.py [--model embedded] [--dtypes float32,bfloat16] \\
         [--questions 6] [--repeats 3] [--decode-tokens 64] --out DIR
 
 Loads the model once per (dtype, weights) pair in one process: ``dequantize`` (every weight

@@ -23,8 +23,8 @@ Writes ``OUT/gpu_decode.json``::
                             "batched_equals_alone": {"1": true, "8": true}, ...}},
      "settings": {...}, "environment": {...}}
 
-    python benchmarks/gpu_decode.py --shape mistral-7b --device cuda --out out/gpu_decode
-    OMP_NUM_THREADS=1 python benchmarks/gpu_decode.py --shape tiny --device cpu --out /tmp/gd
+    python benchmarks/gpu/gpu_decode.py --shape mistral-7b --device cuda --out out/gpu_decode
+    OMP_NUM_THREADS=1 python benchmarks/gpu/gpu_decode.py --shape tiny --device cpu --out /tmp/gd
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ or ``OUT/trace_<mode>.json`` for a single shape)::
                                                "syncs", "top_ops", ...}, ...}}},
      "settings": {...}, "environment": {...}}
 
-    python benchmarks/gpu_profile.py --shape mistral-7b --device cuda --out out/gpu_profile
-    OMP_NUM_THREADS=1 python benchmarks/gpu_profile.py --shape tiny --device cpu --out /tmp/gp
+    python benchmarks/gpu/gpu_profile.py --shape mistral-7b --device cuda --out out/gpu_profile
+    OMP_NUM_THREADS=1 python benchmarks/gpu/gpu_profile.py --shape tiny --device cpu --out /tmp/gp
 """
 
 from __future__ import annotations

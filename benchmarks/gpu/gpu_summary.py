@@ -7,7 +7,7 @@ rates at 1 and 8 streams, the profiler's launches and syncs per mode, and each t
 ``met`` / ``not met`` (``n/a`` for a smoke run on a CPU, whose tiny shape says nothing of a
 GPU's speed).
 
-    python benchmarks/gpu_summary.py --dir OUT --out OUT/summary.md [--smoke]
+    python benchmarks/gpu/gpu_summary.py --dir OUT --out OUT/summary.md [--smoke]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Print the loading controller's decisions (ratio, estimates, tier) for RAM and disk tiers.
 
-python benchmarks/controller_decisions.py --tokens 3200 --out OUT.json
+python benchmarks/prefill/controller_decisions.py --tokens 3200 --out OUT.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Profile and time blend vs full prefill on the embedded model, fp32 and bf16, interleaved.
 
-    .venv/bin/python benchmarks/profile_blend.py --limit 3 --repeats 3 --profile bfloat16
+    .venv/bin/python benchmarks/prefill/profile_blend.py --limit 3 --repeats 3 --profile bfloat16
 
 For each question, each dtype (and each ``--row-attention`` choice) and each mode (full, blend)
 is timed ``repeats`` times in an interleaved order, so a shared machine's load hits every

@@ -14,7 +14,7 @@ kv-deviation adds to the context deviation) and reports:
   shares: selection ignores compression error; larger: it spends rows on it);
 - ``error_rank_selected``: the mean percentile of the recomputed rows' compression error.
 
-    python benchmarks/codec_selection.py --dataset ../shared/data/musique_dev.json \\
+    python benchmarks/quality/codec_selection.py --dataset ../shared/data/musique_dev.json \\
         --offset 12 --limit 8 --out benchmarks/results/amd-avx2
 """
 

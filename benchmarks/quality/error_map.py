@@ -24,7 +24,7 @@ from its neighbour cache.
 Writes ``OUT/NAME.{json,md,png}`` (``--name``, default ``error_map``; after every question; the
 plot at the end).
 
-    python benchmarks/error_map.py --dataset ../shared/data/musique_dev.json \\
+    python benchmarks/quality/error_map.py --dataset ../shared/data/musique_dev.json \\
         --offset 0 --limit 12 --out benchmarks/results/amd-avx2
 """
 

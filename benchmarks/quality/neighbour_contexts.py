@@ -10,7 +10,7 @@ neighbours' stored or isolated KV; ``computed``: computed with the chunk). Write
 ``OUT/NAME.json`` after every question and prints a markdown table (KL also relative to
 isolated reuse's).
 
-    OMP_NUM_THREADS=1 python benchmarks/neighbour_contexts.py \\
+    OMP_NUM_THREADS=1 python benchmarks/quality/neighbour_contexts.py \\
         --dataset ../shared/data/musique_dev.json --offset 20 --limit 20 \\
         --out benchmarks/results/amd-avx512bf16
 """

@@ -4,7 +4,7 @@ Writes JSON with the index build time and the median / p95 match time. Chunks ar
 random-word passages (~2,000 characters, ~500 tokens); the prompt holds 12 of them (a typical
 top-k) between template text, plus filler, about 32k characters (~8k tokens).
 
-    python benchmarks/matcher_speed.py --chunks 100000 --out out/matcher_speed.json
+    python benchmarks/serving/matcher_speed.py --chunks 100000 --out out/matcher_speed.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Background warmup's cost to a running query: blend TTFT with the warmup pool idle or busy.
 
-    .venv/bin/python benchmarks/warmup_interference.py --dataset ../shared/data/musique_dev.json \
-        --limit 6 --repeats 3 --out benchmarks/results/intel-amx/warmup_interference.json
+    .venv/bin/python benchmarks/serving/warmup_interference.py --limit 6 --repeats 3 \\
+        --dataset ../shared/data/musique_dev.json \\
+        --out benchmarks/results/intel-amx/warmup_interference.json
 
 Per question and repeat, interleaved: the same blend prefill (the question's chunks already
 warm) while a ``WarmupPool`` (a) has nothing to do, (b) works through a backlog of other chunks

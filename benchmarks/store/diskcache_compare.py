@@ -1,7 +1,8 @@
 """The disk tier against diskcache's ``Cache`` holding the same chunk KV, read as blend reads it.
 
     pip install diskcache   # not a ragblend dependency
-    python benchmarks/diskcache_compare.py --out benchmarks/results/amd-avx2/diskcache_compare.json
+    python benchmarks/store/diskcache_compare.py \
+        --out benchmarks/results/amd-avx2/diskcache_compare.json
 
 Six chunks of SmolLM2-135M's KV shape (30 layers, 3 KV heads, 512 tokens, head dim 64, fp32;
 random values: only the bytes matter) are stored in a ``DiskStore`` and, as one safetensors
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import diskcache  # the peer, not a ragblend dependency: --help runs without it
+
     root = Path(tempfile.mkdtemp(prefix="ragblend-diskcache-compare-"))
     store = DiskStore(root / "tier", fsync=False)
     cache = diskcache.Cache(str(root / "diskcache"))

@@ -17,10 +17,10 @@ warmed untimed), the time ``engine.precompute([chunk])`` takes with:
   warmed untimed). The other variants run without it.
 
 Neighbours: the chunk's n most similar passages of the whole dataset file (MiniLM), as
-``ragblend bench`` and ``benchmarks/neighbour_contexts.py`` take them. Reports medians and the
-median per-chunk ratio to ``canonical``; writes ``OUT/NAME.json``.
+``ragblend bench`` and ``benchmarks/quality/neighbour_contexts.py`` take them. Reports medians and
+the median per-chunk ratio to ``canonical``; writes ``OUT/NAME.json``.
 
-    python benchmarks/neighbour_cost.py --dataset ../shared/data/musique_dev.json \\
+    python benchmarks/store/neighbour_cost.py --dataset ../shared/data/musique_dev.json \\
         --chunks 8 --out benchmarks/results/amd-avx512bf16
 """
 

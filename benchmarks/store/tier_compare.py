@@ -11,7 +11,7 @@ entry (``entry.layer(i)``) and one layer of every entry of a query in one pipeli
 others ``blend_redis_lpf{N}``), all from the same server, interleaved with the rest;
 ``--unix-socket`` adds ``blend_redis_unix``: the same server through a unix socket.
 
-    python benchmarks/tier_compare.py --dataset ../shared/data/musique_dev.json --limit 10 \
+    python benchmarks/store/tier_compare.py --dataset ../shared/data/musique_dev.json --limit 10 \
         --out benchmarks/results/intel-amx
 """
 

@@ -4,7 +4,7 @@ Plain prefill runs HF's forward on [prompt head + chunk] for each chunk — what
 without ragblend would pay to prefill that text. Precompute runs ``engine.precompute_ids``
 into a fresh disk store (KV written, fsynced, indexed). Interleaved per chunk; medians.
 
-    python benchmarks/warmup_throughput.py --dataset ../shared/data/musique_dev.json --limit 4
+    python benchmarks/store/warmup_throughput.py --dataset ../shared/data/musique_dev.json --limit 4
 """
 
 from __future__ import annotations
