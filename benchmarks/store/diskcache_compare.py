@@ -1,7 +1,7 @@
 """The disk tier against diskcache's ``Cache`` holding the same chunk KV, read as blend reads it.
 
     pip install diskcache   # not a ragblend dependency
-    python benchmarks/store/diskcache_compare.py \
+    python benchmarks/store/diskcache_compare.py \\
         --out benchmarks/results/amd-avx2/diskcache_compare.json
 
 Six chunks of SmolLM2-135M's KV shape (30 layers, 3 KV heads, 512 tokens, head dim 64, fp32;
