@@ -23,9 +23,9 @@ Once per run: an attention micro-benchmark of the fusor's selected-rows attentio
 additive masks in position-ordered blocks, ``ragblend/fusion/attention.py``) against
 FlexAttention with a block mask (CUDA only; skipped cleanly elsewhere).
 
-Parts: ``ragblend.bench.shapes`` (the model shapes), ``gpu_shape.py`` (one shape's run),
-``gpu_timing.py`` (the timed sweeps), ``gpu_report.py`` (console tables and plots); this file is
-the command line.
+Parts, in ``ragblend/bench/``: ``shapes`` (the model shapes), ``gpu_shape`` (one shape's run),
+``gpu_timing`` (the timed sweeps), ``gpu_report`` (console tables and plots); this file is the
+command line.
 
 Writes ``OUT/results.json``, ``OUT/ttft_<shape>.png`` and ``OUT/rate_<shape>.png``.
 
@@ -41,10 +41,10 @@ import shlex
 from pathlib import Path
 
 import torch
-from gpu_shape import run_shape
-from gpu_timing import attention_bench
 
 from ragblend.bench.environment import environment, nvidia_smi
+from ragblend.bench.gpu_shape import run_shape
+from ragblend.bench.gpu_timing import attention_bench
 from ragblend.bench.harness import resolve_device
 from ragblend.bench.shapes import SHAPES
 

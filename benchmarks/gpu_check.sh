@@ -12,11 +12,11 @@
 #   2. benchmarks/gpu_bench.py on mistral-7b (6x512 and 12x512) and llama-3.1-8b (6x512),
 #      bf16, KV from pinned RAM, disk and the GPU, blend at r=0.15 and ratio="auto", reuse
 #      and blend again with the fused layer steps (Triton kernels) in the same rounds;
-#   3. benchmarks/gpu_decode.py: decode tok/s at 1 and 8 streams (mistral-7b), the static
+#   3. benchmarks/gpu/gpu_decode.py: decode tok/s at 1 and 8 streams (mistral-7b), the static
 #      decode pool eagerly and from its CUDA graph with the fused steps;
-#   4. benchmarks/gpu_profile.py: one prefill per mode under torch.profiler (launches, syncs,
+#   4. benchmarks/gpu/gpu_profile.py: one prefill per mode under torch.profiler (launches, syncs,
 #      host vs device time), reuse and blend also with the fused layer steps;
-#   5. benchmarks/gpu_summary.py: the table of all of it beside the targets (summary.md).
+#   5. benchmarks/gpu/gpu_summary.py: the table of all of it beside the targets (summary.md).
 # Files under $OUT (<= 8): gpu_check.log, summary.md, bench_<shape>.json (2),
 # ttft_mistral-7b.png, gpu_decode.json, gpu_profile.json.
 #
@@ -124,17 +124,17 @@ for shape in "${SHAPES[@]}"; do
     [ "$shape" = "${SHAPES[0]}" ] && cp "$WORK/bench_$shape/ttft_$shape.png" "$OUT/" 2>/dev/null
 done
 
-step decode 45 "$PY" benchmarks/gpu_decode.py --device "$DEVICE" --dtype "$DTYPE" \
+step decode 45 "$PY" benchmarks/gpu/gpu_decode.py --device "$DEVICE" --dtype "$DTYPE" \
     --shape "$DECODE_SHAPE" --batches 1,8 "${DECODE_ARGS[@]}" --out "$WORK/decode"
 cp "$WORK/decode/gpu_decode.json" "$OUT/" 2>/dev/null
 
-step profile 35 "$PY" benchmarks/gpu_profile.py --device "$DEVICE" --dtype "$DTYPE" \
+step profile 35 "$PY" benchmarks/gpu/gpu_profile.py --device "$DEVICE" --dtype "$DTYPE" \
     --shape "$DECODE_SHAPE" --modes full,reuse,blend "${PROFILE_ARGS[@]}" --out "$WORK/profile"
 cp "$WORK/profile/gpu_profile.json" "$OUT/" 2>/dev/null
 
 smoke_flag=()
 [ "$SMOKE" = 1 ] && smoke_flag=(--smoke)
-step summary 30 "$PY" benchmarks/gpu_summary.py --dir "$OUT" --out "$OUT/summary.md" \
+step summary 30 "$PY" benchmarks/gpu/gpu_summary.py --dir "$OUT" --out "$OUT/summary.md" \
     "${smoke_flag[@]}"
 [ -f "$OUT/summary.md" ] && cat "$OUT/summary.md"
 

@@ -2,7 +2,7 @@
 
 Counts, for one prefill per mode on a random-weight model shape (``ragblend.bench.shapes``),
 the aten ops that would launch a GPU kernel and the ops that make the host wait for the device,
-per decoder layer and per prefill (``ragblend.bench.gpu_ops``: what counts and why). The engine
+per decoder layer and per prefill (``ragblend.bench.op_kinds``: what counts and why). The engine
 is built on CPU so that it takes the device path a GPU runs: fp32, ``row_attention="masked"``
 (one SDPA call per layer with masks built on the device: a GPU's ``auto``; no native CPU
 kernels) and layers loaded on the calling thread (a RAM store with ``prefetch_depth`` 0:
@@ -40,7 +40,8 @@ if str(REPO) not in sys.path:  # run from a checkout without an installed ragble
 
 import torch  # noqa: E402
 
-from ragblend.bench.gpu_ops import DeviceTracker, count_prefill  # noqa: E402
+from ragblend.bench.gpu_ops import count_prefill  # noqa: E402
+from ragblend.bench.op_counter import DeviceTracker  # noqa: E402
 from ragblend.bench.shapes import SHAPES, random_ids, shape_engine  # noqa: E402
 from ragblend.engine import BlendEngine  # noqa: E402
 from ragblend.prompt import TokenizedPrompt  # noqa: E402

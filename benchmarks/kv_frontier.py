@@ -4,10 +4,11 @@ ratio, per storage codec, with and without the first chunk's exact entry.
 
 Every codec's entries live in one disk-tier store (warm page cache) and every variant runs on
 the same held-out questions, interleaved per question, scored against full prefill exactly as
-``quality_sweep.py`` scores (teacher-forced answer KL, first-token KL, exact greedy agreement;
-exact decode activations). ``bytes/token`` is measured from the stored entries: the chunk's
-neighbour-context entry alone, and with its exact first-chunk entry (both per chunk token, as a
-corpus stores them). Speedup is the median per-question TTFT ratio to full prefill in this run.
+``quality_sweep.py`` scores (``ragblend.bench.fidelity``: teacher-forced answer KL, first-token
+KL, exact greedy agreement; exact decode activations). ``bytes/token`` is measured from the
+stored entries: the chunk's neighbour-context entry alone, and with its exact first-chunk entry
+(both per chunk token, as a corpus stores them). Speedup is the median per-question TTFT ratio
+to full prefill in this run.
 
 Each chunk's KV is computed once (float, by the first codec's precompute) and packed into every
 codec from that: a codec's neighbour-context precompute reads its neighbours' KV before
@@ -27,13 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from quality_sweep import measure_case, summarize
 
 from ragblend import BlendEngine
-from ragblend.bench.datasets import load_cases
+from ragblend.bench import study
+from ragblend.bench.fidelity import measure_case, summarize
 from ragblend.bench.harness import Variant
 from ragblend.bench.metrics import add_decode_activations_argument
-from ragblend.bench.neighbours import with_dataset_neighbours
 from ragblend.store import DiskStore
 
 DEFAULT_CODECS = "float32,bfloat16,int8,int4,pca4,pca2,pca1,int2"
@@ -154,29 +154,19 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--offset", type=int, default=12, help="skip the first N questions")
-    ap.add_argument("--limit", type=int, default=28)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    study.add_case_arguments(ap, offset=12, limit=28)
     ap.add_argument("--codecs", default=DEFAULT_CODECS, help="kv_dtypes, comma-separated")
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="float32", help="the model's compute dtype")
-    ap.add_argument("--name", default="kv_frontier", help="stem of the output files")
+    study.add_model_arguments(ap, dtype="float32")
     add_decode_activations_argument(ap)
-    ap.add_argument("--out", required=True)
+    study.add_output_arguments(ap, name="kv_frontier")
     args = ap.parse_args()
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
 
     store = DiskStore(tempfile.mkdtemp(prefix="ragblend-frontier-"), 1 << 40, fsync=False)
-    engine = BlendEngine.from_pretrained(
-        args.model, dtype=args.dtype, decode_activations=args.decode_activations, store=store
+    engine = study.engine(
+        args, args.model, dtype=args.dtype, decode_activations=args.decode_activations, store=store
     )
-    engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
-    cases = load_cases(
-        args.dataset, engine.tokenizer, args.top_k, args.chunk_tokens, args.offset + args.limit
-    )[args.offset :]
+    cases = study.cases(args, engine.tokenizer)
     grid = variants(codecs)
     views = {v.name: engine.with_config(**v.overrides) for v in grid}
     writers = {c: engine.with_config(kv_dtype=c, exact_first_chunk=True) for c in codecs}
@@ -220,9 +210,8 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "cpu_model": _cpu_model(),
         }
-        (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-        (out / f"{args.name}.md").write_text(table(results))
-        print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
+        study.write_outputs(out, args.name, results, table(results))
+        study.question_done(i, len(cases), t0)
     plot(results, out / f"{args.name}.png")
     print(table(results))
 

@@ -1,20 +1,17 @@
 """Selection options × ratio against full prefill (issue 14), same protocol as sweep.py.
 
 Every variant runs on the same questions, interleaved, scored by fidelity to full prefill
-(teacher-forced answer KL over full prefill's greedy answer, first-token KL, answer agreement)
-and TTFT speedup (median of per-question ratios of tokenize + prefill time). Writes
-``OUT/quality_sweep.{json,png,md}`` after every question: the table with KL relative to full
-KV reuse, and answer KL / reuse vs speedup with the Pareto front.
+(``ragblend.bench.fidelity``: teacher-forced answer KL over full prefill's greedy answer,
+first-token KL, exact greedy agreement) and TTFT speedup (median of per-question ratios of
+tokenize + prefill time). Writes ``OUT/quality_sweep.{json,png,md}`` after every question: the
+table with KL relative to full KV reuse, and answer KL / reuse vs speedup with the Pareto front.
 
-Agreement is exact greedy agreement computed by teacher forcing: a variant's greedy answer
-equals full prefill's iff its argmax after every prefix of that answer is the answer's next
-token (and EOS after the whole answer, when the answer ended there). The variant is fed full
-prefill's answer (the decode steps the answer KL needs anyway) instead of decoding its own,
-and this is stricter than sweep.py's normalised-text agreement. The answers are decoded, and
-teacher-forced, with exact activations (``--decode-activations float``, the default here), so
-every KL is the prefill's error alone. The grids of 2026-11-27 ran with ``auto`` (llama.cpp's
-8-bit activations on AVX2) and a batched teacher-forced forward, which rounded differently from
-the decode: full prefill disagreed with its own answer on a fifth of the questions.
+Exact greedy agreement is stricter than sweep.py's normalised-text agreement. The answers are
+decoded, and teacher-forced, with exact activations (``--decode-activations float``, the default
+here), so every KL is the prefill's error alone. The grids of 2026-11-27 ran with ``auto``
+(llama.cpp's 8-bit activations on AVX2) and a batched teacher-forced forward, which rounded
+differently from the decode: full prefill disagreed with its own answer on a fifth of the
+questions.
 
     python benchmarks/quality_sweep.py --dataset ../shared/data/musique_dev.json \\
         --offset 20 --limit 20 --out benchmarks/results/intel-amx
@@ -23,18 +20,15 @@ the decode: full prefill disagreed with its own answer on a fifth of the questio
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from ragblend import BlendEngine
-from ragblend.bench.datasets import load_cases
+from ragblend.bench import study
+from ragblend.bench.fidelity import measure_case, summarize
 from ragblend.bench.harness import Variant
-from ragblend.bench.metrics import add_decode_activations_argument, kl_divergence
-from ragblend.bench.neighbours import with_dataset_neighbours
+from ragblend.bench.metrics import add_decode_activations_argument
 
 RELEVANCE_KV = {"selector": "relevance-kv"}
 CHUNK_KV = {"selector": "chunk-kv"}
@@ -319,12 +313,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--offset", type=int, default=20, help="skip the first N questions")
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    study.add_case_arguments(ap, offset=20, limit=20)
     ap.add_argument(
         "--which",
         default="grid",
@@ -365,16 +354,14 @@ def main() -> None:
         default=0,
         help="use each case's top-k passages after the first N (another retrieval set)",
     )
-    ap.add_argument("--name", default="quality_sweep", help="stem of the output files")
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        help="the model's dtype (default float32, not the engine's auto: the grids were tuned "
-        "in fp32; bfloat16 for what a bf16 CPU runs)",
+    study.add_model_arguments(
+        ap,
+        dtype="float32",
+        dtype_help="the model's dtype (default float32, not the engine's auto: the grids were "
+        "tuned in fp32; bfloat16 for what a bf16 CPU runs)",
     )
     add_decode_activations_argument(ap)
-    ap.add_argument("--out", required=True)
+    study.add_output_arguments(ap, name="quality_sweep")
     args = ap.parse_args()
 
     # every option off unless a variant sets it (today's defaults included: T, chunk starts,
@@ -383,22 +370,15 @@ def main() -> None:
     context = {"precompute_context": args.precompute_context} if args.precompute_context else {}
     if args.precompute_neighbours is not None:
         context["precompute_neighbours"] = args.precompute_neighbours
-    engine = BlendEngine.from_pretrained(
+    engine = study.engine(
+        args,
         args.model,
         dtype=args.dtype,
         decode_activations=args.decode_activations,
         **context,
         **OPTIONS_OFF,
     )
-    engine = with_dataset_neighbours(engine, args.dataset, args.chunk_tokens, explicit=True)
-    cases = load_cases(
-        args.dataset,
-        engine.tokenizer,
-        args.top_k,
-        args.chunk_tokens,
-        args.offset + args.limit,
-        skip=args.skip_passages,
-    )[args.offset :]
+    cases = study.cases(args, engine.tokenizer, skip=args.skip_passages)
     grid = variants(args.which)
     views = {v.name: engine.with_config(**v.overrides) for v in grid}
     rows: list[dict[str, dict]] = []
@@ -420,61 +400,10 @@ def main() -> None:
             "n": len(rows),
             "torch_threads": torch.get_num_threads(),
         }
-        (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-        (out / f"{args.name}.md").write_text(table(results))
-        print(f"question {i + 1}/{len(cases)} in {time.perf_counter() - t0:.0f}s", flush=True)
+        study.write_outputs(out, args.name, results, table(results))
+        study.question_done(i, len(cases), t0)
     plot(results, out / f"{args.name}.png")
     print(table(results))
-
-
-def measure_case(engine, views, grid, case, max_new_tokens: int) -> dict[str, dict]:
-    """One question: every variant's TTFT and fidelity to full prefill (full first)."""
-    records: dict[str, dict] = {}
-    reference = None
-    for v in grid:
-        view = views[v.name]
-        start = time.perf_counter()
-        prompt = view.tokenize(case.question, case.chunks)
-        pre = view.prefill(prompt, v.mode)
-        ttft_ms = (time.perf_counter() - start) * 1000
-        if reference is None:
-            ids = engine.greedy_answer(pre, max_new_tokens)
-            ended = len(ids) < max_new_tokens
-            forced = ids + [min(engine.eos_ids)] if ended else ids
-            reference = (pre.logits, ids, ended, engine.teacher_forced_logits(pre, forced))
-        ref_logits, ids, ended, ref_tf = reference
-        forced = ids + [min(engine.eos_ids)] if ended else ids
-        tf = engine.teacher_forced_logits(pre, forced)
-        n = len(ids)
-        agrees = bool((tf[:n].argmax(-1) == torch.tensor(ids)).all())
-        if ended:
-            agrees = agrees and int(tf[n].argmax()) in engine.eos_ids
-        records[v.name] = {
-            "ttft_ms": ttft_ms,
-            "first_token_kl": float(kl_divergence(ref_logits, pre.logits)),
-            "answer_kl": float(kl_divergence(ref_tf[:n], tf[:n]).mean()) if n else 0.0,
-            "agrees": agrees,
-            "recomputed_fraction": pre.stats.recomputed_fraction,
-        }
-        del pre
-    return records
-
-
-def summarize(rows: list[dict[str, dict]]) -> dict:
-    """Per-variant means (speedup: median of per-question TTFT ratios to full)."""
-    modes, speedup = {}, {}
-    for name in rows[0]:
-        recs = [r[name] for r in rows]
-        modes[name] = {
-            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in recs),
-            "answer_kl_mean": statistics.fmean(r["answer_kl"] for r in recs),
-            "first_token_kl_mean": statistics.fmean(r["first_token_kl"] for r in recs),
-            "agreement_with_full": statistics.fmean(float(r["agrees"]) for r in recs),
-            "recomputed_fraction_mean": statistics.fmean(r["recomputed_fraction"] for r in recs),
-            "n": len(recs),
-        }
-        speedup[name] = statistics.median(r["full"]["ttft_ms"] / r[name]["ttft_ms"] for r in rows)
-    return {"modes": modes, "speedup_vs_full": speedup, "per_question": rows}
 
 
 if __name__ == "__main__":

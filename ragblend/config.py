@@ -224,7 +224,7 @@ class BlendConfig:
     """
 
     ratio: float | Literal["auto"] = 0.15
-    # Gradual filtering chosen by benchmarks/sweep.py on held-out dev questions: keep 1.5·r
+    # Gradual filtering chosen by benchmarks/quality/sweep.py on held-out dev questions: keep 1.5·r
     # after layer 1, then r from layer 10 (0.7·r until issue 54: on neighbour-aware caches the
     # always-kept rows below need the later layers' budget; quality_sweep --which neighbours2).
     check_layers: tuple[int, ...] = (1, 10)
@@ -236,16 +236,17 @@ class BlendConfig:
     near_question_tokens: int = 256
     selection: SelectionPolicy = field(default_factory=SelectionPolicy, kw_only=True)
     # Template-independent: a chunk warmed once hits under any template or system prompt, at
-    # +2.8 % blend answer KL vs the exact head (benchmarks/context_choice.py). Neighbours where
-    # the engine has a neighbour source (else exactly canonical, same key): on held-out dev
-    # questions 20-39 (fp32, r = 0.15) blend's answer KL 0.34x isolated reuse's against 0.76x
+    # +2.8 % blend answer KL vs the exact head (benchmarks/results/intel-amx/context_choice.json).
+    # Neighbours where the engine has a neighbour source (else exactly canonical, same key): on
+    # held-out dev questions 20-39 (fp32, r = 0.15) blend's answer KL 0.34x isolated reuse's against 0.76x
     # with isolated caches, better on 19 of 20 questions, for 0.29x the warmup throughput
-    # (benchmarks/neighbour_contexts.py).
+    # (benchmarks/quality/neighbour_contexts.py).
     precompute_context: PrecomputeContext = "neighbours"
     precompute_neighbours: int = 2
     # Reused: blend answer KL 0.37x isolated reuse's instead of 0.34x (questions 20-39) for
     # 1.34x an isolated precompute per chunk once its neighbours are stored instead of 3.59x
-    # (benchmarks/neighbour_contexts.py --neighbour-rows, benchmarks/neighbour_cost.py).
+    # (benchmarks/quality/neighbour_contexts.py --neighbour-rows,
+    # benchmarks/store/neighbour_cost.py).
     neighbour_rows: NeighbourRows = "reused"
     # The first chunk's neighbour cache saw neighbours its prompt does not have; its exact
     # entry (one more per chunk) took blend's answer KL from 0.57x to 0.46x reuse's on held-out

@@ -5,7 +5,7 @@ gets an OpenMP team of its own that lives as long as that thread. Once a process
 OpenMP threads than cores, libgomp stops spinning between parallel regions ("throttled"
 waiting) and every parallel op in the process pays for waking its threads: on the 2-core
 benchmark machine a blend prefill ran 1.7× slower while an *idle* warmup worker that had once
-computed merely existed (``benchmarks/warmup_interference.py``). So ragblend never parks a
+computed merely existed (``benchmarks/serving/warmup_interference.py``). So ragblend never parks a
 thread that has computed: background compute and async offloading run on a fresh thread per
 job, which exits with it, and threads that only copy data use one torch thread.
 """

@@ -10,7 +10,7 @@ import torch
 from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import engine_for
 
-from ragblend.bench.gpu_ops import OpCounter
+from ragblend.bench.op_counter import OpCounter
 from ragblend.decode.decoder import decode_batch
 from ragblend.errors import RagblendError
 

@@ -9,7 +9,8 @@ from conftest import CHUNKS, FAMILIES, QUESTION, tiny_model
 from helpers import assert_matches_hf, engine_for, fuse_prompt, hf_forward
 
 from ragblend import BlendConfig, BlendEngine, SelectionPolicy
-from ragblend.bench.gpu_ops import DeviceTracker, count_prefill
+from ragblend.bench.gpu_ops import count_prefill
+from ragblend.bench.op_counter import DeviceTracker
 from ragblend.errors import RagblendError
 from ragblend.fusion.rows import prompt_rows
 from ragblend.fusion.trace import SelectionTrace

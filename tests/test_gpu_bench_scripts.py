@@ -1,4 +1,4 @@
-"""benchmarks/gpu_decode.py and benchmarks/gpu_profile.py on the tiny shape on CPU (seconds).
+"""benchmarks/gpu/gpu_decode.py and gpu_profile.py on the tiny shape on CPU (seconds).
 
 Each script runs in a subprocess, as the GPU check runs it; its JSON is checked for the
 documented keys and consistent numbers. The profile's CUDA branch (runtime launch/sync names,
@@ -20,12 +20,13 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+GPU_SCRIPTS = BENCH / "gpu"  # the scripts gpu_check.sh runs beside gpu_bench.py
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     res = subprocess.run(
-        [sys.executable, str(BENCH / name), *args],
+        [sys.executable, str(GPU_SCRIPTS / name), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -37,7 +38,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCH / name)
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), GPU_SCRIPTS / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""Kernel and sync counting (ragblend.bench.gpu_ops) and benchmarks/gpu_ops.py's contract.
+"""Kernel and sync counting (ragblend.bench.op_counter) and benchmarks/gpu_ops.py's contract.
 
 The counter runs on plain CPU tensors here; the benchmark runs the tiny shape end to end in a
 subprocess and its numbers are held as regression ceilings.
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragblend.bench.gpu_ops import UPLOADS, DeviceTracker, OpCounter
+from ragblend.bench.op_counter import DeviceTracker, OpCounter
+from ragblend.bench.op_kinds import UPLOADS
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_ops.py"
 CONTRACT = ("kernels_per_layer", "kernels_per_check_layer", "syncs_per_layer", "syncs_per_prefill")

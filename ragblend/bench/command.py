@@ -125,6 +125,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# BlendConfig fields ``bench`` sets from its flag of the same name where that flag is given:
+# the ones whose unset value is None or "" (falsy), and the ones where only None is unset
+_FLAGS_SET_WHEN_TRUTHY = (
+    "dtype",
+    "row_attention",
+    "weights",
+    "selector",
+    "kv_dtype",
+    "kv_cache_dtype",
+    "decode_activations",
+    "namespace",
+    "precompute_context",
+)
+_FLAGS_SET_WHEN_GIVEN = ("ratio", "precompute_neighbours", "exact_first_chunk")
+
+
+def _config_overrides(args: argparse.Namespace) -> dict:
+    """The BlendConfig fields the command line sets (the rest keep their defaults)."""
+    out = {name: getattr(args, name) for name in _FLAGS_SET_WHEN_TRUTHY if getattr(args, name)}
+    for name in _FLAGS_SET_WHEN_GIVEN:
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -142,32 +167,7 @@ def run(args: argparse.Namespace) -> int:
     for m in modes:
         if m not in MODES:
             raise RagblendError(f"unknown mode {m!r}; expected some of {', '.join(MODES)}")
-    overrides = {"device": args.device}
-    if args.dtype:
-        overrides["dtype"] = args.dtype
-    if args.row_attention:
-        overrides["row_attention"] = args.row_attention
-    if args.weights:
-        overrides["weights"] = args.weights
-    if args.ratio is not None:
-        overrides["ratio"] = args.ratio
-    if args.selector:
-        overrides["selector"] = args.selector
-    if args.kv_dtype:
-        overrides["kv_dtype"] = args.kv_dtype
-    if args.kv_cache_dtype:
-        overrides["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.decode_activations:
-        overrides["decode_activations"] = args.decode_activations
-    if args.namespace:
-        overrides["namespace"] = args.namespace
-    if args.precompute_context:
-        overrides["precompute_context"] = args.precompute_context
-    if args.precompute_neighbours is not None:
-        overrides["precompute_neighbours"] = args.precompute_neighbours
-    if args.exact_first_chunk is not None:
-        overrides["exact_first_chunk"] = args.exact_first_chunk
-    config = BlendConfig(**overrides)
+    config = BlendConfig(device=args.device, **_config_overrides(args))
     store: KVStore | None = None
     before = None
     if args.tier == "disk":

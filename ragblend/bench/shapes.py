@@ -15,136 +15,88 @@ from typing import Any
 
 import torch
 
+
+def _sizes(
+    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
+) -> dict[str, int]:
+    """The sizes every shape sets, under config.json's names."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3.1/3.2's RoPE scaling (``factor`` 8 for 3.1, 32 for 3.2)."""
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+# each family's values that its shapes here share
+_QWEN2 = dict(
+    family="qwen2", max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6
+)
+_MISTRAL = dict(family="mistral", rope_theta=1e6, sliding_window=None, rms_norm_eps=1e-5)
+_MISTRAL_IDS = dict(bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+_LLAMA3 = dict(family="llama", rope_theta=500000.0, rms_norm_eps=1e-5)
+_LLAMA3_IDS = dict(bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(
-        family="qwen2",
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        family="qwen2",
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "llama-3.2-3b": dict(
-        family="llama",
-        vocab_size=128256,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        tie_word_embeddings=True,
-    ),
-    "mistral-7b": dict(  # Mistral-7B-v0.2 (no sliding window, rope theta 1e6)
-        family="mistral",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        rope_theta=1e6,
-        sliding_window=None,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    ),
-    "llama3-8b": dict(  # Llama-3-8B
-        family="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        bos_token_id=128000,
-        eos_token_id=128001,
-        tie_word_embeddings=False,
-    ),
-    "llama-3.1-8b": dict(  # Llama-3.1-8B
-        family="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        bos_token_id=128000,
-        eos_token_id=128001,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-14b": dict(  # Qwen2.5-14B
-        family="qwen2",
-        vocab_size=152064,
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(  # Mistral-shaped smoke-test model (runs on a CPU in seconds)
-        family="mistral",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        rope_theta=1e6,
-        sliding_window=None,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    ),
+    "qwen2.5-0.5b": {**_QWEN2, **_sizes(151936, 896, 4864, 24, 14, 2), "tie_word_embeddings": True},
+    "qwen2.5-1.5b": {
+        **_QWEN2,
+        **_sizes(151936, 1536, 8960, 28, 12, 2),
+        "tie_word_embeddings": True,
+    },
+    "llama-3.2-3b": {
+        **_LLAMA3,
+        **_sizes(128256, 3072, 8192, 28, 24, 8),
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rope_scaling": _llama3_rope(32.0),
+        "tie_word_embeddings": True,
+    },
+    # Mistral-7B-v0.2 (no sliding window, rope theta 1e6)
+    "mistral-7b": {
+        **_MISTRAL,
+        **_sizes(32000, 4096, 14336, 32, 32, 8),
+        "max_position_embeddings": 32768,
+        **_MISTRAL_IDS,
+    },
+    "llama3-8b": {  # Llama-3-8B
+        **_LLAMA3,
+        **_sizes(128256, 4096, 14336, 32, 32, 8),
+        "max_position_embeddings": 8192,
+        **_LLAMA3_IDS,
+    },
+    "llama-3.1-8b": {  # Llama-3.1-8B
+        **_LLAMA3,
+        **_sizes(128256, 4096, 14336, 32, 32, 8),
+        "rope_scaling": _llama3_rope(8.0),
+        "max_position_embeddings": 131072,
+        **_LLAMA3_IDS,
+    },
+    "qwen2.5-14b": {  # Qwen2.5-14B
+        **_QWEN2,
+        **_sizes(152064, 5120, 13824, 48, 40, 8),
+        "tie_word_embeddings": False,
+    },
+    # a Mistral-shaped smoke-test model (runs on a CPU in seconds)
+    "tiny": {
+        **_MISTRAL,
+        **_sizes(1024, 64, 128, 4, 4, 2),
+        "max_position_embeddings": 4096,
+        **_MISTRAL_IDS,
+    },
 }
 
 

@@ -53,7 +53,7 @@ AUTO_BY_LEVEL: dict[str, AutoChoice] = {
     "avx512_bf16": AutoChoice(
         BF16,
         BF16,
-        "AMD EPYC Zen 5, 2026-11-26, benchmarks/quant_weights.py (amd-avx512bf16/)",
+        "AMD EPYC Zen 5, 2026-11-26, benchmarks/decode/quant_weights.py (amd-avx512bf16/)",
         "bf16 vs fp32: blend 346 vs 1190 ms, decode 90.6 vs 72.2 tok/s, blend + 64 tokens "
         "1053 vs 2077 ms (kept Q4_1; dequantized: decode 81.9 vs 44.3 tok/s)",
     ),

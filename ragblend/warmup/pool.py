@@ -8,7 +8,7 @@ pause while a query runs (:meth:`WarmupPool.query`): no new item starts, and an 
 started stops before its next layer and goes back to the queue, so background warmup does not
 compete with a running prefill/decode for the CPU. Each item is computed on a thread of its own
 that ends with it: a parked thread that has computed would slow every later query in the process
-(:mod:`ragblend.threads`). ``benchmarks/warmup_interference.py`` measures both.
+(:mod:`ragblend.threads`). ``benchmarks/serving/warmup_interference.py`` measures both.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ module defines those steps as single PyTorch custom ops (``torch.ops.ragblend_la
   reference on the device (falling back to the reference with one warning where it does not
   match).
 
-Because every step is one registered op, the kernel counter of :mod:`ragblend.bench.gpu_ops`
+Because every step is one registered op, the kernel counter of :mod:`ragblend.bench.op_counter`
 sees one launch per step on a CPU, as a GPU running the Triton kernels does.
 
 Shapes: ``x`` [..., D]; ``q`` [1, H, T, d]; ``k`` [1, Hkv, T, d]; ``cos``/``sin`` [1, T, d];
