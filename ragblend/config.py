@@ -238,8 +238,9 @@ class BlendConfig:
     # Template-independent: a chunk warmed once hits under any template or system prompt, at
     # +2.8 % blend answer KL vs the exact head (benchmarks/results/intel-amx/context_choice.json).
     # Neighbours where the engine has a neighbour source (else exactly canonical, same key): on
-    # held-out dev questions 20-39 (fp32, r = 0.15) blend's answer KL 0.34x isolated reuse's against 0.76x
-    # with isolated caches, better on 19 of 20 questions, for 0.29x the warmup throughput
+    # held-out dev questions 20-39 (fp32, r = 0.15) blend's answer KL 0.34x isolated reuse's
+    # against 0.76x with isolated caches, better on 19 of 20 questions, for 0.29x the warmup
+    # throughput
     # (benchmarks/quality/neighbour_contexts.py).
     precompute_context: PrecomputeContext = "neighbours"
     precompute_neighbours: int = 2
