@@ -34,6 +34,7 @@ from ragblend.bench import study
 from ragblend.bench.fidelity import measure_case, summarize
 from ragblend.bench.harness import Variant
 from ragblend.bench.metrics import add_decode_activations_argument
+from ragblend.config import fold_selection
 from ragblend.store import DiskStore
 
 DEFAULT_CODECS = "float32,bfloat16,int8,int4,pca4,pca2,pca1,int2"
@@ -168,7 +169,7 @@ def main() -> None:
     )
     cases = study.cases(args, engine.tokenizer)
     grid = variants(codecs)
-    views = {v.name: engine.with_config(**v.overrides) for v in grid}
+    views = {v.name: engine.with_config(**fold_selection(engine.config, v.overrides)) for v in grid}
     writers = {c: engine.with_config(kv_dtype=c, exact_first_chunk=True) for c in codecs}
     memoised(list(writers.values()))
     out = Path(args.out)

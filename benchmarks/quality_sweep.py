@@ -29,6 +29,7 @@ from ragblend.bench import study
 from ragblend.bench.fidelity import measure_case, summarize
 from ragblend.bench.harness import Variant
 from ragblend.bench.metrics import add_decode_activations_argument
+from ragblend.config import fold_selection
 
 RELEVANCE_KV = {"selector": "relevance-kv"}
 CHUNK_KV = {"selector": "chunk-kv"}
@@ -246,14 +247,16 @@ def default_selection() -> dict:
     base = BlendConfig()
     keys = (
         "selector",
-        "cached_temperature",
-        "fitted_chunk_weight",
         "chunk_start_tokens",
         "near_question_tokens",
         "check_layers",
         "check_scales",
     )
-    return {k: getattr(base, k) for k in keys}
+    levers = ("cached_temperature", "fitted_chunk_weight")
+    return {
+        **{k: getattr(base, k) for k in keys},
+        **{k: getattr(base.selection, k) for k in levers},
+    }
 
 
 def table(results: dict) -> str:
@@ -380,7 +383,7 @@ def main() -> None:
     )
     cases = study.cases(args, engine.tokenizer, skip=args.skip_passages)
     grid = variants(args.which)
-    views = {v.name: engine.with_config(**v.overrides) for v in grid}
+    views = {v.name: engine.with_config(**fold_selection(engine.config, v.overrides)) for v in grid}
     rows: list[dict[str, dict]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -240,8 +241,7 @@ class BlendConfig:
     # Neighbours where the engine has a neighbour source (else exactly canonical, same key): on
     # held-out dev questions 20-39 (fp32, r = 0.15) blend's answer KL 0.34x isolated reuse's
     # against 0.76x with isolated caches, better on 19 of 20 questions, for 0.29x the warmup
-    # throughput
-    # (benchmarks/quality/neighbour_contexts.py).
+    # throughput (benchmarks/quality/neighbour_contexts.py).
     precompute_context: PrecomputeContext = "neighbours"
     precompute_neighbours: int = 2
     # Reused: blend answer KL 0.37x isolated reuse's instead of 0.34x (questions 20-39) for
@@ -383,6 +383,17 @@ BlendConfig.__init__ = _accepting_moved_names(BlendConfig.__init__)  # type: ign
 for _name in MOVED_TO_SELECTION:
     setattr(BlendConfig, _name, _moved_attribute(_name))
 del _name
+
+
+def fold_selection(config: BlendConfig, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` of BlendConfig fields, where the selection levers among them (named as
+    :class:`SelectionPolicy`'s fields, as experiments name them) are folded into one
+    ``selection`` over ``config``'s: what an experiment hands ``engine.with_config(**...)``."""
+    moved = {k: v for k, v in overrides.items() if k in MOVED_TO_SELECTION}
+    rest = {k: v for k, v in overrides.items() if k not in MOVED_TO_SELECTION}
+    if moved:
+        rest["selection"] = dataclasses.replace(rest.get("selection", config.selection), **moved)
+    return rest
 
 
 def check_kv_dtype(kv_dtype: object) -> str:

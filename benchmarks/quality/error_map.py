@@ -31,6 +31,7 @@ plot at the end).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -173,7 +174,7 @@ def measure(engine: BlendEngine, case, max_new_tokens: int, ratio: float) -> dic
             ratio=size / int(on.sum()),
             check_layers=(1,),
             check_scales=None,
-            cached_temperature=1.0,
+            selection=dataclasses.replace(engine.config.selection, cached_temperature=1.0),
             chunk_start_tokens=0,
             near_question_tokens=0,
         )

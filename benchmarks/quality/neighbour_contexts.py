@@ -143,7 +143,7 @@ def main() -> None:
             **settings,
             "n": len(per_question),
             "torch_threads": torch.get_num_threads(),
-            "cached_temperature": engine.config.cached_temperature,
+            "cached_temperature": engine.config.selection.cached_temperature,
             "check_layers": list(engine.config.check_layers),
         }
         study.write_outputs(out, args.name, results)

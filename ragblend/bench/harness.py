@@ -12,6 +12,7 @@ import torch
 
 from ragblend.bench.datasets import Case
 from ragblend.bench.metrics import best_f1, kl_divergence, normalize_answer
+from ragblend.config import fold_selection
 from ragblend.engine import BlendEngine
 
 
@@ -109,7 +110,9 @@ def run_benchmark(
     if not any(v.mode == "full" for v in variants):
         variants = [Variant("full", "full"), *variants]
     engine.native  # noqa: B018 (built on first use: before any clock, and shared by the views)
-    views = {v.name: engine.with_config(**v.overrides) for v in variants}
+    views = {
+        v.name: engine.with_config(**fold_selection(engine.config, v.overrides)) for v in variants
+    }
     records: dict[str, list[Record]] = {v.name: [] for v in variants}
     warmup_s = 0.0
     iterator = cases
