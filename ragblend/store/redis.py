@@ -16,6 +16,12 @@ trips, overlapped with compute. ``RedisEntry.layer(i)`` alone fetches one entry'
 The store is a cache: a missing, evicted, foreign or corrupt entry and an unreachable server are
 misses (``CorruptEntryError`` from ``layer(i)`` mid-prefill: the engine discards and recomputes).
 Writes go through a background thread with a bounded queue, so ``put`` never waits for Redis.
+
+**Redis Cluster**: a URL of any node of a cluster uses the whole cluster, detected from the
+server (``INFO cluster``) on first contact, through redis-py's ``RedisCluster`` (which follows
+MOVED/ASK redirections and a failover's new master). An entry is one hash, so its layers live on
+one shard; a layer read of a query's entries is one pipeline per shard that holds some of them;
+a shard that is down makes its entries misses (recomputed) while the other shards keep hitting.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def _redis():
 
 
 class Unreachable(Exception):
-    """The server could not be reached (or is inside its retry back-off)."""
+    """The server (or the cluster node that holds a key) could not be reached, or is inside
+    its retry back-off."""
 
 
 class RedisStore:
@@ -124,24 +131,27 @@ class RedisStore:
         self._redis_error = redis.exceptions.RedisError
         if password is None:
             password = os.environ.get(PASSWORD_ENV) or None
+        options = dict(
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            # A layer of a query's chunks is megabytes: with 64 KiB reads (redis-py's
+            # default) a pipelined read of 6 × 393 KB took ~1.4x as long on loopback.
+            socket_read_size=socket_read_size,
+            **({"password": password} if password else {}),  # the URL's wins
+        )
+        self._errors = (*self._errors, redis.exceptions.RedisClusterException)
         try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=connect_timeout,
-                max_connections=max_connections,
-                retry_on_timeout=False,
-                # A layer of a query's chunks is megabytes: with 64 KiB reads (redis-py's
-                # default) a pipelined read of 6 × 393 KB took ~1.4x as long on loopback.
-                socket_read_size=socket_read_size,
-                **({"password": password} if password else {}),  # the URL's wins
-            )
+            self._client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
         except (ValueError, TypeError) as exc:
             raise RagblendError(f"invalid Redis URL {shown!r}: {self._scrub(exc)}") from None
-        self._down_until = 0.0
-        self._down_logged = False
+        self._client_options = options
+        self.cluster: bool | None = None  # None until the server has said (first contact)
+        self._down_until: dict[str | None, float] = {}  # node name (None: the server) → until
+        self._down_logged: set[str | None] = set()
         self._warned: set[str] = set()
         self._state = threading.Lock()
+        self._connecting = threading.Lock()
         self._pending: dict[str, KVEntry] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
         self._writer: threading.Thread | None = None
@@ -154,31 +164,77 @@ class RedisStore:
     def redis_key(self, key: str) -> str:
         return f"{self.prefix}:{self.namespace}:{key}" if self.namespace else f"{self.prefix}:{key}"
 
-    def _call(self, fn):
-        """``fn(client)``; a dead server raises ``Unreachable`` (logged once per outage)."""
-        if time.monotonic() < self._down_until:
+    def _connected(self):
+        """The client: on first contact, a ``RedisCluster`` when the server is a cluster node
+        (``INFO cluster``), else the plain client made in ``__init__``."""
+        if self.cluster is not None:
+            return self._client
+        with self._connecting:
+            if self.cluster is None:
+                try:
+                    enabled = bool(self._client.info("cluster").get("cluster_enabled"))
+                except self._redis_error as exc:
+                    if isinstance(exc, self._errors):
+                        raise
+                    enabled = False  # e.g. INFO not allowed for this user: a plain server
+                if enabled:
+                    from redis.cluster import RedisCluster
+
+                    cluster = RedisCluster.from_url(self._url, **self._client_options)
+                    self._client.close()
+                    self._client = cluster
+                self.cluster = enabled
+        return self._client
+
+    def is_cluster(self) -> bool | None:
+        """Whether the server is a Redis Cluster node (None while it has never answered)."""
+        if self.cluster is None:
+            try:
+                self._call(lambda c: None)
+            except (Unreachable, self._redis_error):
+                pass
+        return self.cluster
+
+    def _node_of(self, key: str | None) -> str | None:
+        """Which down-state a call for ``key`` (a Redis key) counts against: the cluster node
+        that serves its slot, else None (the one server, or a call of no single key)."""
+        if not self.cluster or key is None:
+            return None
+        try:
+            return self._client.get_node_from_key(key).name
+        except Exception:  # the slot map is being rebuilt: the whole cluster's state
+            return None
+
+    def _call(self, fn, key: str | None = None):
+        """``fn(client)`` for a call about Redis key ``key`` (or none); a dead server, or in a
+        cluster the dead node serving ``key``, raises ``Unreachable`` (logged once per
+        outage, then skipped for ``retry_s``: the other nodes keep serving)."""
+        node = self._node_of(key)
+        if time.monotonic() < self._down_until.get(node, 0.0):
             raise Unreachable
         try:
-            result = fn(self._client)
+            result = fn(self._connected())
         except self._errors as exc:
             reason = self._scrub(exc)
             with self._state:
-                self._down_until = time.monotonic() + self.retry_s
-                first = not self._down_logged
-                self._down_logged = True
+                self._down_until[node] = time.monotonic() + self.retry_s
+                first = node not in self._down_logged
+                self._down_logged.add(node)
                 self.last_error = reason
             if first:
+                where = self.url if node is None else f"{self.url} (cluster node {node})"
                 log.warning(
                     "Redis KV tier at %s is unreachable (%s): chunk KV lookups are misses "
                     "(recomputed) until it is back",
-                    self.url,
+                    where,
                     reason,
                 )
             raise Unreachable from None
-        if self._down_logged:
+        if node in self._down_logged:
             with self._state:
-                self._down_logged = False
-            log.warning("Redis KV tier at %s is reachable again", self.url)
+                self._down_logged.discard(node)
+            where = self.url if node is None else f"{self.url} (cluster node {node})"
+            log.warning("Redis KV tier at %s is reachable again", where)
         return result
 
     def ping(self) -> bool:
@@ -192,7 +248,8 @@ class RedisStore:
         if key in self._pending:
             return True
         try:
-            return bool(self._call(lambda c: c.hexists(self.redis_key(key), HEADER)))
+            name = self.redis_key(key)
+            return bool(self._call(lambda c: c.hexists(name, HEADER), name))
         except (Unreachable, self._redis_error):
             return False
 
@@ -208,7 +265,8 @@ class RedisStore:
 
     def _read_header(self, key: str) -> RedisEntry | None:
         try:
-            raw = self._call(lambda c: c.hget(self.redis_key(key), HEADER))
+            name = self.redis_key(key)
+            raw = self._call(lambda c: c.hget(name, HEADER), name)
         except (Unreachable, self._redis_error):
             return None
         if raw is None:
@@ -251,6 +309,20 @@ class RedisStore:
                 wants.append((entry, wanted))
         if not wants:
             return
+        groups: dict[str | None, list[tuple[RedisEntry, list[int]]]] = {}
+        for want in wants:  # one pipeline per cluster node (one in all on a plain server)
+            groups.setdefault(self._node_of(self.redis_key(want[0].key)), []).append(want)
+        first: CorruptEntryError | None = None
+        for group in groups.values():
+            try:
+                self._fetch_group(group)
+            except CorruptEntryError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _fetch_group(self, wants: list[tuple[RedisEntry, list[int]]]) -> None:
+        """One pipelined read of ``wants`` (entries on one server or cluster node)."""
 
         def read(c):
             pipe = c.pipeline(transaction=False)
@@ -259,7 +331,7 @@ class RedisStore:
             return pipe.execute(raise_on_error=False)
 
         try:
-            replies = self._call(read)
+            replies = self._call(read, self.redis_key(wants[0][0].key))
         except Unreachable:
             raise CorruptEntryError(wants[0][0].key, "the Redis server is unreachable") from None
         except self._redis_error as exc:
@@ -334,7 +406,7 @@ class RedisStore:
             pipe.execute()
 
         try:
-            self._call(write)
+            self._call(write, name)
         except Unreachable:
             self.write_errors += 1
             return
@@ -359,7 +431,8 @@ class RedisStore:
 
     def discard(self, key: str) -> None:
         try:
-            self._call(lambda c: c.delete(self.redis_key(key)))
+            name = self.redis_key(key)
+            self._call(lambda c: c.delete(name), name)
         except (Unreachable, self._redis_error):
             pass
 
@@ -387,24 +460,37 @@ class RedisStore:
                 yield key
 
     def server_info(self) -> dict:
-        """Memory and eviction figures of the server (``INFO memory`` / ``INFO stats``)."""
-        info = self._call(lambda c: {**c.info("memory"), **c.info("stats")})
-        return {
-            k: info.get(k)
-            for k in (
-                "used_memory",
-                "maxmemory",
-                "maxmemory_policy",
-                "evicted_keys",
-                "keyspace_hits",
-                "keyspace_misses",
-            )
-        }
+        """Memory and eviction figures of the server (``INFO memory`` / ``INFO stats``); of a
+        cluster, summed over its masters (``masters``: how many; the policy of the first)."""
+        names = (
+            "used_memory",
+            "maxmemory",
+            "maxmemory_policy",
+            "evicted_keys",
+            "keyspace_hits",
+            "keyspace_misses",
+        )
+        client = self._call(lambda c: c)
+        if not self.cluster:
+            info = self._call(lambda c: {**c.info("memory"), **c.info("stats")})
+            return {k: info.get(k) for k in names}
+        masters = client.get_primaries()
+        per_node = [
+            self._call(lambda c, n=n: {**c.info("memory", target_nodes=n),
+                                        **c.info("stats", target_nodes=n)})
+            for n in masters
+        ]  # fmt: skip
+        counts = [k for k in names if k != "maxmemory_policy"]
+        summed: dict = {k: sum(int(i.get(k) or 0) for i in per_node) for k in counts}
+        summed["maxmemory_policy"] = per_node[0].get("maxmemory_policy") if per_node else None
+        summed["masters"] = len(masters)
+        return summed
 
     def check(self, key: str) -> str | None:
         """None when every layer of ``key`` reads and verifies, else why not (drops nothing)."""
         try:
-            raw = self._call(lambda c: c.hget(self.redis_key(key), HEADER))
+            name = self.redis_key(key)
+            raw = self._call(lambda c: c.hget(name, HEADER), name)
             header = json.loads(raw) if raw is not None else None
             if header is None:
                 return "missing"
@@ -413,7 +499,7 @@ class RedisStore:
             if header.get("key") != key:
                 return "header names another key"
             for i, expected in enumerate(header["sums"]):
-                blob = self._call(lambda c, i=i: c.hget(self.redis_key(key), layer_field(i)))
+                blob = self._call(lambda c, i=i: c.hget(name, layer_field(i)), name)
                 if blob is None:
                     return f"layer {i} is missing"
                 if checksum(blob) != expected:
