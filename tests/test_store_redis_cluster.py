@@ -21,7 +21,7 @@ redis_cluster = fixtures.redis_cluster
 
 def owners(store: RedisStore, keys: list[str]) -> dict[str, int]:
     """The port of the master that serves each key's slot."""
-    client = store._connected()
+    client = store.client
     return {key: client.get_node_from_key(store.redis_key(key)).port for key in keys}
 
 
@@ -125,7 +125,7 @@ def test_a_slot_migration_under_load_fails_no_read_and_changes_no_value(redis_cl
         written(store, key, entry(seed=i, layers=4, tokens=64))
     source = owners(store, keys)[keys[0]]
     target = next(p for p in redis_cluster.master_ports() if p != source)
-    slot = store._connected().keyslot(store.redis_key(keys[0]))
+    slot = store.client.keyslot(store.redis_key(keys[0]))
     errors: list[str] = []
     reads = 0
     stop = threading.Event()

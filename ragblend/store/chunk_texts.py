@@ -160,7 +160,7 @@ class RedisTexts:
         return self._call(read, ([], cursor), log_name)
 
     def _call(self, fn, default, name: str):
-        from ragblend.store.redis import Unreachable
+        from ragblend.store.redis_client import Unreachable
 
         try:
             return self.store._call(fn, name)  # the store's outage handling: once, back-off

@@ -32,14 +32,14 @@ import os
 import queue
 import re
 import threading
-import time
 from collections.abc import Iterator, Sequence
 
 from safetensors.torch import load as st_load
 
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.redact import redact_url, scrub
+from ragblend.redact import redact_url
 from ragblend.store.base import KVEntry, StoreStats
+from ragblend.store.redis_client import RedisConnection, Unreachable, redis_module
 from ragblend.store.redis_entry import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -57,20 +57,6 @@ DEFAULT_PREFIX = "ragblend:kv"
 PASSWORD_ENV = "RAGBLEND_REDIS_PASSWORD"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _STOP = object()
-
-
-def _redis():
-    try:
-        import redis
-    except ImportError:
-        msg = "the Redis tier needs redis-py: pip install 'ragblend[redis]'"
-        raise RagblendError(msg) from None
-    return redis
-
-
-class Unreachable(Exception):
-    """The server (or the cluster node that holds a key) could not be reached, or is inside
-    its retry back-off."""
 
 
 class RedisStore:
@@ -104,7 +90,6 @@ class RedisStore:
         socket_read_size: int = 1 << 20,
         password: str | None = None,
     ) -> None:
-        redis = _redis()
         shown = redact_url(url)
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise RagblendError(
@@ -113,25 +98,11 @@ class RedisStore:
         for what, name in (("namespace", namespace), ("prefix", prefix.replace(":", "_"))):
             if name is not None and not _NAME.match(name):
                 raise RagblendError(f"{what} {name!r}: use letters, digits, '_', '.', '-'")
-        self._url = url
-        self.url = shown
-        self.namespace = namespace
-        self.prefix = prefix
-        self.retry_s = float(retry_s)
-        self.layers_per_fetch = max(1, int(layers_per_fetch))
-        self.ttl_s = ttl_s
-        self.block_when_full = block_when_full
-        self.stats = StoreStats()
-        self.write_errors = 0
-        self.dropped_writes = 0
-        self.bytes_written = 0
-        self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
-        self.last_error: str | None = None
-        self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
-        self._redis_error = redis.exceptions.RedisError
         if password is None:
             password = os.environ.get(PASSWORD_ENV) or None
-        options = dict(
+        self.connection = RedisConnection(
+            url,
+            retry_s,
             socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout,
             max_connections=max_connections,
@@ -140,18 +111,20 @@ class RedisStore:
             socket_read_size=socket_read_size,
             **({"password": password} if password else {}),  # the URL's wins
         )
-        self._errors = (*self._errors, redis.exceptions.RedisClusterException)
-        try:
-            self._client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
-        except (ValueError, TypeError) as exc:
-            raise RagblendError(f"invalid Redis URL {shown!r}: {self._scrub(exc)}") from None
-        self._client_options = options
-        self.cluster: bool | None = None  # None until the server has said (first contact)
-        self._down_until: dict[str | None, float] = {}  # node name (None: the server) → until
-        self._down_logged: set[str | None] = set()
+        self.url = shown
+        self.namespace = namespace
+        self.prefix = prefix
+        self.layers_per_fetch = max(1, int(layers_per_fetch))
+        self.ttl_s = ttl_s
+        self.block_when_full = block_when_full
+        self.stats = StoreStats()
+        self.write_errors = 0
+        self.dropped_writes = 0
+        self.bytes_written = 0
+        self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
+        self._redis_error = redis_module().exceptions.RedisError
         self._warned: set[str] = set()
         self._state = threading.Lock()
-        self._connecting = threading.Lock()
         self._pending: dict[str, KVEntry] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
         self._writer: threading.Thread | None = None
@@ -159,83 +132,33 @@ class RedisStore:
     # ------------------------------------------------------------------ connection
     def _scrub(self, error: object) -> str:
         """``error``'s text with this store's credentials masked (for logs and messages)."""
-        return scrub(error, self._url)
+        return self.connection.scrub(error)
 
     def redis_key(self, key: str) -> str:
         return f"{self.prefix}:{self.namespace}:{key}" if self.namespace else f"{self.prefix}:{key}"
 
-    def _connected(self):
-        """The client: on first contact, a ``RedisCluster`` when the server is a cluster node
-        (``INFO cluster``), else the plain client made in ``__init__``."""
-        if self.cluster is not None:
-            return self._client
-        with self._connecting:
-            if self.cluster is None:
-                try:
-                    enabled = bool(self._client.info("cluster").get("cluster_enabled"))
-                except self._redis_error as exc:
-                    if isinstance(exc, self._errors):
-                        raise
-                    enabled = False  # e.g. INFO not allowed for this user: a plain server
-                if enabled:
-                    from redis.cluster import RedisCluster
+    @property
+    def client(self):
+        """The redis-py client (a ``RedisCluster`` on a cluster), for maintenance and tests."""
+        return self.connection.client
 
-                    cluster = RedisCluster.from_url(self._url, **self._client_options)
-                    self._client.close()
-                    self._client = cluster
-                self.cluster = enabled
-        return self._client
+    @property
+    def last_error(self) -> str | None:
+        return self.connection.last_error
+
+    @last_error.setter
+    def last_error(self, reason: str | None) -> None:
+        self.connection.last_error = reason
 
     def is_cluster(self) -> bool | None:
         """Whether the server is a Redis Cluster node (None while it has never answered)."""
-        if self.cluster is None:
-            try:
-                self._call(lambda c: None)
-            except (Unreachable, self._redis_error):
-                pass
-        return self.cluster
+        return self.connection.is_cluster()
 
     def _node_of(self, key: str | None) -> str | None:
-        """Which down-state a call for ``key`` (a Redis key) counts against: the cluster node
-        that serves its slot, else None (the one server, or a call of no single key)."""
-        if not self.cluster or key is None:
-            return None
-        try:
-            return self._client.get_node_from_key(key).name
-        except Exception:  # the slot map is being rebuilt: the whole cluster's state
-            return None
+        return self.connection.node_of(key)
 
     def _call(self, fn, key: str | None = None):
-        """``fn(client)`` for a call about Redis key ``key`` (or none); a dead server, or in a
-        cluster the dead node serving ``key``, raises ``Unreachable`` (logged once per
-        outage, then skipped for ``retry_s``: the other nodes keep serving)."""
-        node = self._node_of(key)
-        if time.monotonic() < self._down_until.get(node, 0.0):
-            raise Unreachable
-        try:
-            result = fn(self._connected())
-        except self._errors as exc:
-            reason = self._scrub(exc)
-            with self._state:
-                self._down_until[node] = time.monotonic() + self.retry_s
-                first = node not in self._down_logged
-                self._down_logged.add(node)
-                self.last_error = reason
-            if first:
-                where = self.url if node is None else f"{self.url} (cluster node {node})"
-                log.warning(
-                    "Redis KV tier at %s is unreachable (%s): chunk KV lookups are misses "
-                    "(recomputed) until it is back",
-                    where,
-                    reason,
-                )
-            raise Unreachable from None
-        if node in self._down_logged:
-            with self._state:
-                self._down_logged.discard(node)
-            where = self.url if node is None else f"{self.url} (cluster node {node})"
-            log.warning("Redis KV tier at %s is reachable again", where)
-        return result
+        return self.connection.call(fn, key)
 
     def ping(self) -> bool:
         try:
@@ -447,7 +370,7 @@ class RedisStore:
         if writer is not None:
             self._queue.put(_STOP)
             writer.join()
-        self._client.close()
+        self.connection.close()
 
     # ------------------------------------------------------------------ maintenance
     def keys(self) -> Iterator[str]:
@@ -471,7 +394,7 @@ class RedisStore:
             "keyspace_misses",
         )
         client = self._call(lambda c: c)
-        if not self.cluster:
+        if not self.connection.cluster:
             info = self._call(lambda c: {**c.info("memory"), **c.info("stats")})
             return {k: info.get(k) for k in names}
         masters = client.get_primaries()
