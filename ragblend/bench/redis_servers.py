@@ -93,6 +93,7 @@ class RedisServer:
         return []
 
     def start(self) -> RedisServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             self.binary,
             "--port",
@@ -294,6 +295,14 @@ class RedisClusterNodes:
         with self.client(live[0]) as c:
             slots = c.cluster("slots")
         return sorted({int(entry[2][1]) for entry in slots})
+
+    def owner_of(self, slot: int) -> int:
+        """The port of the master that serves ``slot``."""
+        with self.client(self.live()[0]) as c:
+            for start, end, master, *_ in c.cluster("slots"):
+                if int(start) <= slot <= int(end):
+                    return int(master[1])
+        raise LookupError(f"slot {slot} has no master")
 
     def node(self, port: int) -> RedisServer:
         return next(node for node in self.nodes if node.port == port)
