@@ -3,6 +3,7 @@ fixture from Debian's redis-server; masters killed, shards lost and slots migrat
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import threading
@@ -10,13 +11,16 @@ import time
 
 import pytest
 import redis_cluster as fixtures
+import test_warmup_ray
 import torch
 from test_store_redis import entry, tiny_engine, written
 
+from ragblend.cli import main
 from ragblend.store import MemoryStore, make_store
 from ragblend.store.redis import RedisStore
 
 redis_cluster = fixtures.redis_cluster
+dataset, model_dir = test_warmup_ray.dataset, test_warmup_ray.model_dir
 
 
 def owners(store: RedisStore, keys: list[str]) -> dict[str, int]:
@@ -169,3 +173,30 @@ def test_an_unreachable_cluster_url_is_a_plain_miss(url):
     store = RedisStore(url, connect_timeout=0.2)
     assert store.get("a" * 64) is None and store.is_cluster() is None
     store.close()
+
+
+def test_warmup_cache_and_bench_commands_take_a_cluster_node_url(
+    redis_cluster, dataset, model_dir, capsys, tmp_path
+):
+    url = redis_cluster.url
+    warm = ["warmup", "--dataset", str(dataset), "--model", str(model_dir), "--top-k", "2",
+            "--chunk-tokens", "32", "--no-progress", "--redis-url", url]  # fmt: skip
+    assert main(warm) == 0
+    capsys.readouterr()
+    assert main(["cache", "stats", "--redis-url", url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    # 6 chunks, each with its first-chunk entry, + canonical and prompt heads
+    assert stats["entries"] == 14 and stats["bytes"] > 0
+    store = RedisStore(url)
+    assert set(owners(store, list(store.keys())).values()) == set(redis_cluster.master_ports())
+    store.close()
+    assert main(["cache", "verify", "--redis-url", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] == 14
+    out = tmp_path / "bench"
+    bench = ["bench", "--dataset", str(dataset), "--limit", "2", "--top-k", "2",
+             "--chunk-tokens", "32", "--modes", "full,blend", "--repeats", "1",
+             "--max-new-tokens", "2", "--model", str(model_dir), "--tier", "redis",
+             "--redis-url", url, "--out", str(out)]  # fmt: skip
+    assert main(bench) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["tier"] == "redis" and results["modes"]["blend"]["n"] == 2
