@@ -82,7 +82,7 @@ def test_right_password_hits_and_nothing_shows_the_credentials(acl_server, token
     assert out.stats.chunk_hits == len(CHUNKS) and out.stats.chunk_misses == 0
     assert store.url == f"redis://***:***@127.0.0.1:{acl_server.port}/0"
     assert repr(store) == f"RedisStore('{store.url}')"
-    assert_no_secret(store.url, repr(store), repr(store._client), every_log.text)
+    assert_no_secret(store.url, repr(store), repr(store.client), every_log.text)
     store.close()
 
 

@@ -46,7 +46,7 @@ def test_entry_round_trips_layer_by_layer_through_one_hash(redis_server):
         k, v = got.layer(i)
         assert torch.equal(k, kv.k[i]) and torch.equal(v, kv.v[i])
     assert torch.equal(got.materialize().k, kv.k)
-    client = store._client
+    client = store.client
     names = client.keys("ragblend:kv:*")
     assert names == [b"ragblend:kv:" + b"a" * 64]  # one key per entry: evicted as a unit
     fields = set(client.hkeys(names[0]))
@@ -60,13 +60,13 @@ def test_get_reads_only_the_header_and_a_missing_key_is_a_miss(redis_server):
     store = RedisStore(redis_server.url)
     assert store.get("b" * 64) is None and "b" * 64 not in store
     written(store, "b" * 64, entry())
-    store._client.config_resetstat()
+    store.client.config_resetstat()
     got = store.get("b" * 64)
     assert got is not None and "b" * 64 in store
-    info = store._client.info("commandstats")
+    info = store.client.info("commandstats")
     assert "cmdstat_hmget" not in info  # no layer fetched yet
     got.layer(0)
-    assert store._client.info("commandstats")["cmdstat_hmget"]["calls"] == 1
+    assert store.client.info("commandstats")["cmdstat_hmget"]["calls"] == 1
     assert store.stats.as_dict()["hits"] == 1 and store.stats.as_dict()["misses"] == 1
     store.close()
 
@@ -76,10 +76,10 @@ def test_layers_per_fetch_reads_ahead_in_one_round_trip(redis_server):
     kv = entry(layers=4)
     written(store, "c" * 64, kv)
     got = store.get("c" * 64)
-    store._client.config_resetstat()
+    store.client.config_resetstat()
     for i in range(4):
         assert torch.equal(got.layer(i)[0], kv.k[i])
-    assert store._client.info("commandstats")["cmdstat_hmget"]["calls"] == 2
+    assert store.client.info("commandstats")["cmdstat_hmget"]["calls"] == 2
     store.close()
 
 
@@ -87,9 +87,9 @@ def test_corrupted_layer_raises_corrupt_entry_and_is_dropped(redis_server, caplo
     store = RedisStore(redis_server.url, layers_per_fetch=1)  # layer 0 reads alone
     written(store, "d" * 64, entry())
     name = store.redis_key("d" * 64)
-    blob = bytearray(store._client.hget(name, layer_field(1)))
+    blob = bytearray(store.client.hget(name, layer_field(1)))
     blob[-1] ^= 0xFF
-    store._client.hset(name, layer_field(1), bytes(blob))
+    store.client.hset(name, layer_field(1), bytes(blob))
     assert store.check("d" * 64) == "layer 1 fails its checksum"
     got = store.get("d" * 64)
     got.layer(0)
@@ -104,9 +104,9 @@ def test_corrupted_layer_raises_corrupt_entry_and_is_dropped(redis_server, caplo
 def test_bad_header_is_a_miss_and_is_dropped(redis_server, header):
     store = RedisStore(redis_server.url)
     written(store, "e" * 64, entry())
-    store._client.hset(store.redis_key("e" * 64), HEADER, header)
+    store.client.hset(store.redis_key("e" * 64), HEADER, header)
     assert store.get("e" * 64) is None
-    assert store._client.exists(store.redis_key("e" * 64)) == 0
+    assert store.client.exists(store.redis_key("e" * 64)) == 0
     store.close()
 
 
@@ -114,10 +114,10 @@ def test_header_of_another_format_version_is_a_miss_left_in_place(redis_server):
     store = RedisStore(redis_server.url)
     written(store, "f" * 64, entry())
     name = store.redis_key("f" * 64)
-    header = json.loads(store._client.hget(name, HEADER))
-    store._client.hset(name, HEADER, json.dumps({**header, "format": 99}))
+    header = json.loads(store.client.hget(name, HEADER))
+    store.client.hset(name, HEADER, json.dumps({**header, "format": 99}))
     assert store.get("f" * 64) is None
-    assert store._client.exists(name) == 1
+    assert store.client.exists(name) == 1
     store.close()
 
 
@@ -125,7 +125,7 @@ def test_entry_evicted_between_header_and_layer_raises_corrupt_entry(redis_serve
     store = RedisStore(redis_server.url)
     written(store, "g" * 64, entry())
     got = store.get("g" * 64)
-    store._client.delete(store.redis_key("g" * 64))
+    store.client.delete(store.redis_key("g" * 64))
     with pytest.raises(CorruptEntryError, match="gone"):
         got.layer(0)
     store.close()
@@ -326,9 +326,9 @@ def test_corrupted_value_mid_query_is_a_miss_and_the_answer_equals_a_cold_run(
     prompt = engine.tokenize(QUESTION, CHUNKS)
     key = engine.chunk_key(context_ids=engine._context_ids(prompt.head), chunk_ids=prompt.chunks[1])
     name = store.redis_key(key)
-    blob = bytearray(store._client.hget(name, layer_field(2)))
+    blob = bytearray(store.client.hget(name, layer_field(2)))
     blob[len(blob) // 2] ^= 0x01
-    store._client.hset(name, layer_field(2), bytes(blob))
+    store.client.hset(name, layer_field(2), bytes(blob))
     damaged = engine.prefill(prompt, mode="blend")
     assert damaged.stats.chunk_misses == 1 and key not in store
     clean = engine.prefill(prompt, mode="blend")  # the entry is simply absent now

@@ -98,7 +98,7 @@ def test_loader_reads_one_round_trip_per_layer_for_every_redis_entry(redis_serve
 
 def damage(store: RedisStore, key: str, how: str) -> None:
     name = store.redis_key(key)
-    client = store._client
+    client = store.client
     if how == "evicted":
         client.delete(name)
     elif how == "corrupted":

@@ -124,7 +124,7 @@ def test_cache_cli_reports_verifies_and_drops_bad_redis_entries(
     assert report("stats", "--namespace", "other")[1]["entries"] == 0
     store = RedisStore(redis_server.url)
     key = next(iter(store.keys()))
-    store._client.hset(store.redis_key(key), layer_field(0), b"garbage")
+    store.client.hset(store.redis_key(key), layer_field(0), b"garbage")
     code, verified = report("verify")
     assert code == 1 and verified["corrupt"] == 1 and verified["ok"] == 13
     code, collected = report("gc")

@@ -120,13 +120,17 @@ class SqliteTexts:
 
 class RedisTexts:
     """Texts in the Redis tier: ``…:texts:{scope}:keys`` (a set) and ``…:texts:{scope}:log``
-    (a list, appended to once per new key), under the store's prefix and namespace."""
+    (a list, appended to once per new key), under the store's prefix and namespace. On a Redis
+    Cluster both names share one hash tag (``{…:texts:scope}:keys``), so they live on one
+    shard and move together."""
 
     def __init__(self, store) -> None:
         self.store = store
 
     def _names(self, scope: str) -> tuple[str, str]:
         base = self.store.redis_key(f"texts:{scope}")
+        if self.store.is_cluster():
+            base = "{" + base + "}"
         return f"{base}:keys", f"{base}:log"
 
     def add(self, scope: str, records: Sequence[Record]) -> None:
@@ -142,7 +146,7 @@ class RedisTexts:
             if new:
                 client.rpush(log_name, *new)
 
-        self._call(write, None)
+        self._call(write, None, keys_name)
 
     def read(self, scope: str, cursor: int) -> tuple[list[str], int]:
         _, log_name = self._names(scope)
@@ -153,13 +157,13 @@ class RedisTexts:
             texts = client.lrange(log_name, start, -1) if length > start else []
             return [t.decode("utf-8") for t in texts], start + len(texts)
 
-        return self._call(read, ([], cursor))
+        return self._call(read, ([], cursor), log_name)
 
-    def _call(self, fn, default):
-        from ragblend.store.redis import Unreachable
+    def _call(self, fn, default, name: str):
+        from ragblend.store.redis_client import Unreachable
 
         try:
-            return self.store._call(fn)  # the store's outage handling: logged once, back-off
+            return self.store._call(fn, name)  # the store's outage handling: once, back-off
         except Unreachable:
             return default
         except Exception as exc:  # a Redis error reply, bad bytes: the texts are a cache

@@ -16,6 +16,12 @@ trips, overlapped with compute. ``RedisEntry.layer(i)`` alone fetches one entry'
 The store is a cache: a missing, evicted, foreign or corrupt entry and an unreachable server are
 misses (``CorruptEntryError`` from ``layer(i)`` mid-prefill: the engine discards and recomputes).
 Writes go through a background thread with a bounded queue, so ``put`` never waits for Redis.
+
+**Redis Cluster**: a URL of any node of a cluster uses the whole cluster, detected from the
+server (``INFO cluster``) on first contact, through redis-py's ``RedisCluster`` (which follows
+MOVED/ASK redirections and a failover's new master). An entry is one hash, so its layers live on
+one shard; a layer read of a query's entries is one pipeline per shard that holds some of them;
+a shard that is down makes its entries misses (recomputed) while the other shards keep hitting.
 """
 
 from __future__ import annotations
@@ -26,14 +32,14 @@ import os
 import queue
 import re
 import threading
-import time
 from collections.abc import Iterator, Sequence
 
 from safetensors.torch import load as st_load
 
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.redact import redact_url, scrub
+from ragblend.redact import redact_url
 from ragblend.store.base import KVEntry, StoreStats
+from ragblend.store.redis_client import RedisConnection, Unreachable, redis_module
 from ragblend.store.redis_entry import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -51,19 +57,6 @@ DEFAULT_PREFIX = "ragblend:kv"
 PASSWORD_ENV = "RAGBLEND_REDIS_PASSWORD"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _STOP = object()
-
-
-def _redis():
-    try:
-        import redis
-    except ImportError:
-        msg = "the Redis tier needs redis-py: pip install 'ragblend[redis]'"
-        raise RagblendError(msg) from None
-    return redis
-
-
-class Unreachable(Exception):
-    """The server could not be reached (or is inside its retry back-off)."""
 
 
 class RedisStore:
@@ -97,7 +90,6 @@ class RedisStore:
         socket_read_size: int = 1 << 20,
         password: str | None = None,
     ) -> None:
-        redis = _redis()
         shown = redact_url(url)
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise RagblendError(
@@ -106,11 +98,22 @@ class RedisStore:
         for what, name in (("namespace", namespace), ("prefix", prefix.replace(":", "_"))):
             if name is not None and not _NAME.match(name):
                 raise RagblendError(f"{what} {name!r}: use letters, digits, '_', '.', '-'")
-        self._url = url
+        if password is None:
+            password = os.environ.get(PASSWORD_ENV) or None
+        self.connection = RedisConnection(
+            url,
+            retry_s,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            # A layer of a query's chunks is megabytes: with 64 KiB reads (redis-py's
+            # default) a pipelined read of 6 × 393 KB took ~1.4x as long on loopback.
+            socket_read_size=socket_read_size,
+            **({"password": password} if password else {}),  # the URL's wins
+        )
         self.url = shown
         self.namespace = namespace
         self.prefix = prefix
-        self.retry_s = float(retry_s)
         self.layers_per_fetch = max(1, int(layers_per_fetch))
         self.ttl_s = ttl_s
         self.block_when_full = block_when_full
@@ -119,27 +122,7 @@ class RedisStore:
         self.dropped_writes = 0
         self.bytes_written = 0
         self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
-        self.last_error: str | None = None
-        self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
-        self._redis_error = redis.exceptions.RedisError
-        if password is None:
-            password = os.environ.get(PASSWORD_ENV) or None
-        try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=connect_timeout,
-                max_connections=max_connections,
-                retry_on_timeout=False,
-                # A layer of a query's chunks is megabytes: with 64 KiB reads (redis-py's
-                # default) a pipelined read of 6 × 393 KB took ~1.4x as long on loopback.
-                socket_read_size=socket_read_size,
-                **({"password": password} if password else {}),  # the URL's wins
-            )
-        except (ValueError, TypeError) as exc:
-            raise RagblendError(f"invalid Redis URL {shown!r}: {self._scrub(exc)}") from None
-        self._down_until = 0.0
-        self._down_logged = False
+        self._redis_error = redis_module().exceptions.RedisError
         self._warned: set[str] = set()
         self._state = threading.Lock()
         self._pending: dict[str, KVEntry] = {}
@@ -149,37 +132,33 @@ class RedisStore:
     # ------------------------------------------------------------------ connection
     def _scrub(self, error: object) -> str:
         """``error``'s text with this store's credentials masked (for logs and messages)."""
-        return scrub(error, self._url)
+        return self.connection.scrub(error)
 
     def redis_key(self, key: str) -> str:
         return f"{self.prefix}:{self.namespace}:{key}" if self.namespace else f"{self.prefix}:{key}"
 
-    def _call(self, fn):
-        """``fn(client)``; a dead server raises ``Unreachable`` (logged once per outage)."""
-        if time.monotonic() < self._down_until:
-            raise Unreachable
-        try:
-            result = fn(self._client)
-        except self._errors as exc:
-            reason = self._scrub(exc)
-            with self._state:
-                self._down_until = time.monotonic() + self.retry_s
-                first = not self._down_logged
-                self._down_logged = True
-                self.last_error = reason
-            if first:
-                log.warning(
-                    "Redis KV tier at %s is unreachable (%s): chunk KV lookups are misses "
-                    "(recomputed) until it is back",
-                    self.url,
-                    reason,
-                )
-            raise Unreachable from None
-        if self._down_logged:
-            with self._state:
-                self._down_logged = False
-            log.warning("Redis KV tier at %s is reachable again", self.url)
-        return result
+    @property
+    def client(self):
+        """The redis-py client (a ``RedisCluster`` on a cluster), for maintenance and tests."""
+        return self.connection.client
+
+    @property
+    def last_error(self) -> str | None:
+        return self.connection.last_error
+
+    @last_error.setter
+    def last_error(self, reason: str | None) -> None:
+        self.connection.last_error = reason
+
+    def is_cluster(self) -> bool | None:
+        """Whether the server is a Redis Cluster node (None while it has never answered)."""
+        return self.connection.is_cluster()
+
+    def _node_of(self, key: str | None) -> str | None:
+        return self.connection.node_of(key)
+
+    def _call(self, fn, key: str | None = None):
+        return self.connection.call(fn, key)
 
     def ping(self) -> bool:
         try:
@@ -192,7 +171,8 @@ class RedisStore:
         if key in self._pending:
             return True
         try:
-            return bool(self._call(lambda c: c.hexists(self.redis_key(key), HEADER)))
+            name = self.redis_key(key)
+            return bool(self._call(lambda c: c.hexists(name, HEADER), name))
         except (Unreachable, self._redis_error):
             return False
 
@@ -208,7 +188,8 @@ class RedisStore:
 
     def _read_header(self, key: str) -> RedisEntry | None:
         try:
-            raw = self._call(lambda c: c.hget(self.redis_key(key), HEADER))
+            name = self.redis_key(key)
+            raw = self._call(lambda c: c.hget(name, HEADER), name)
         except (Unreachable, self._redis_error):
             return None
         if raw is None:
@@ -251,6 +232,20 @@ class RedisStore:
                 wants.append((entry, wanted))
         if not wants:
             return
+        groups: dict[str | None, list[tuple[RedisEntry, list[int]]]] = {}
+        for want in wants:  # one pipeline per cluster node (one in all on a plain server)
+            groups.setdefault(self._node_of(self.redis_key(want[0].key)), []).append(want)
+        first: CorruptEntryError | None = None
+        for group in groups.values():
+            try:
+                self._fetch_group(group)
+            except CorruptEntryError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _fetch_group(self, wants: list[tuple[RedisEntry, list[int]]]) -> None:
+        """One pipelined read of ``wants`` (entries on one server or cluster node)."""
 
         def read(c):
             pipe = c.pipeline(transaction=False)
@@ -259,7 +254,7 @@ class RedisStore:
             return pipe.execute(raise_on_error=False)
 
         try:
-            replies = self._call(read)
+            replies = self._call(read, self.redis_key(wants[0][0].key))
         except Unreachable:
             raise CorruptEntryError(wants[0][0].key, "the Redis server is unreachable") from None
         except self._redis_error as exc:
@@ -334,7 +329,7 @@ class RedisStore:
             pipe.execute()
 
         try:
-            self._call(write)
+            self._call(write, name)
         except Unreachable:
             self.write_errors += 1
             return
@@ -359,7 +354,8 @@ class RedisStore:
 
     def discard(self, key: str) -> None:
         try:
-            self._call(lambda c: c.delete(self.redis_key(key)))
+            name = self.redis_key(key)
+            self._call(lambda c: c.delete(name), name)
         except (Unreachable, self._redis_error):
             pass
 
@@ -374,7 +370,7 @@ class RedisStore:
         if writer is not None:
             self._queue.put(_STOP)
             writer.join()
-        self._client.close()
+        self.connection.close()
 
     # ------------------------------------------------------------------ maintenance
     def keys(self) -> Iterator[str]:
@@ -387,24 +383,37 @@ class RedisStore:
                 yield key
 
     def server_info(self) -> dict:
-        """Memory and eviction figures of the server (``INFO memory`` / ``INFO stats``)."""
-        info = self._call(lambda c: {**c.info("memory"), **c.info("stats")})
-        return {
-            k: info.get(k)
-            for k in (
-                "used_memory",
-                "maxmemory",
-                "maxmemory_policy",
-                "evicted_keys",
-                "keyspace_hits",
-                "keyspace_misses",
-            )
-        }
+        """Memory and eviction figures of the server (``INFO memory`` / ``INFO stats``); of a
+        cluster, summed over its masters (``masters``: how many; the policy of the first)."""
+        names = (
+            "used_memory",
+            "maxmemory",
+            "maxmemory_policy",
+            "evicted_keys",
+            "keyspace_hits",
+            "keyspace_misses",
+        )
+        client = self._call(lambda c: c)
+        if not self.connection.cluster:
+            info = self._call(lambda c: {**c.info("memory"), **c.info("stats")})
+            return {k: info.get(k) for k in names}
+        masters = client.get_primaries()
+        per_node = [
+            self._call(lambda c, n=n: {**c.info("memory", target_nodes=n),
+                                        **c.info("stats", target_nodes=n)})
+            for n in masters
+        ]  # fmt: skip
+        counts = [k for k in names if k != "maxmemory_policy"]
+        summed: dict = {k: sum(int(i.get(k) or 0) for i in per_node) for k in counts}
+        summed["maxmemory_policy"] = per_node[0].get("maxmemory_policy") if per_node else None
+        summed["masters"] = len(masters)
+        return summed
 
     def check(self, key: str) -> str | None:
         """None when every layer of ``key`` reads and verifies, else why not (drops nothing)."""
         try:
-            raw = self._call(lambda c: c.hget(self.redis_key(key), HEADER))
+            name = self.redis_key(key)
+            raw = self._call(lambda c: c.hget(name, HEADER), name)
             header = json.loads(raw) if raw is not None else None
             if header is None:
                 return "missing"
@@ -413,7 +422,7 @@ class RedisStore:
             if header.get("key") != key:
                 return "header names another key"
             for i, expected in enumerate(header["sums"]):
-                blob = self._call(lambda c, i=i: c.hget(self.redis_key(key), layer_field(i)))
+                blob = self._call(lambda c, i=i: c.hget(name, layer_field(i)), name)
                 if blob is None:
                     return f"layer {i} is missing"
                 if checksum(blob) != expected:

@@ -13,7 +13,7 @@ from ragblend.store.redis import FORMAT_VERSION, RedisStore
 def stats(store: RedisStore) -> dict:
     """Entry count and bytes under the store's prefix/namespace, and the server's memory."""
     keys = list(store.keys())
-    nbytes = sum(int(store._client.memory_usage(store.redis_key(k)) or 0) for k in keys)
+    nbytes = sum(int(store.client.memory_usage(store.redis_key(k)) or 0) for k in keys)
     return {
         "url": store.url,  # credentials masked
         "namespace": store.namespace,
