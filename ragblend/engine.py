@@ -29,8 +29,6 @@ from ragblend.decode import (
     teacher_forced_logits,
 )
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
-from ragblend.fusion.fusor import fuse
 from ragblend.fusion.selection import make_selector
 from ragblend.fusion.selectors import TokenSelector
 from ragblend.kernels import (
@@ -41,10 +39,10 @@ from ragblend.kernels import (
 )
 from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
-from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
 from ragblend.models.packed import is_packed, pack_decode_linears
 from ragblend.models.quantized import decode_activations_for, decode_path
+from ragblend.prefill import PrefillPlan, full_prefill, fused_prefill, plan_prefill
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
@@ -53,7 +51,7 @@ from ragblend.store.memory import MemoryStore
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ragblend.controller import LoadingController
+    from ragblend.controller import Decision, LoadingController
     from ragblend.neighbours import NeighbourSource
 
 log = logging.getLogger(__name__)
@@ -366,100 +364,56 @@ class BlendEngine:
             return self._prefill(prompt, mode, ratio)
 
     def _prefill(self, prompt: TokenizedPrompt, mode: str, ratio) -> Prefill:
+        """:meth:`prefill` without the engine's lock (the caller holds it or owns the engine)."""
         t0 = time.perf_counter()
         self._check_length(len(prompt))
         stats = BlendStats(mode=mode, prompt_tokens=len(prompt))
         stats.chunk_tokens = sum(len(c) for c in prompt.chunks)
-        if mode == "blend" and self._uses_controller(ratio):
-            decision = self._controller_decide(len(prompt))
-            stats.extra["controller"] = dataclasses.asdict(decision)
-            ratio = decision.ratio
-            if decision.fallback_full:
-                _fall_back(
-                    stats,
-                    CONTROLLER_FULL,
-                    f"loading the chunk KV from the {decision.tier} tier would "
-                    "take longer than a full prefill (loading controller)"
-                    if decision.reason == "loading"
-                    else f"blend at ratio {max(decision.r_star, decision.r_load):.2f} would not "
-                    "be faster than a full prefill on this device (loading controller's profile)",
-                )
-                mode = "full"
-        if mode == "full":
-            out = self.full_prefill(prompt.ids, stats)
-        else:
-            out = self._fused_prefill(prompt, mode, ratio, stats)
+        plan = plan_prefill(self.chunks, prompt, mode, ratio, self.config, self._controller_decide)
+        out = self._run(plan, stats)
         if out.logits.is_cuda:  # kernels are asynchronous: TTFT ends when the logits exist
             torch.cuda.synchronize(out.logits.device)
         stats.ttft_ms = (time.perf_counter() - t0) * 1000
         return out
 
+    def _run(self, plan: PrefillPlan, stats: BlendStats) -> Prefill:
+        """Run ``plan``. A stored entry that fails verification mid-fusion is dropped and the
+        prompt planned again without it: each entry a plan reads (the head, every chunk, the
+        first chunk's exact entry) may fail once."""
+        retries_left = len(plan.prompt.chunks) + 2
+        while True:
+            missed = plan.missed_texts()
+            if missed and self.on_miss is not None:
+                self.on_miss(missed)
+            plan.record(stats)
+            if not plan.fused:
+                return self.full_prefill(plan.prompt.ids, stats)
+            try:
+                return fused_prefill(
+                    self.model,
+                    self.layers,
+                    plan,
+                    stats,
+                    self.chunks.loader(plan.segments),
+                    self.selector,
+                    native=self.native,
+                    gpu_path=self.row_attention == "masked",
+                    kernels=self.layer_kernels,
+                )
+            except CorruptEntryError as exc:
+                if not retries_left:
+                    raise
+                retries_left -= 1
+                log.info("%s; recomputing it", exc)  # the store has warned already
+                self.store.discard(exc.key)
+                plan = plan.looked_up_again(self.chunks)
+
     def full_prefill(self, ids: Sequence[int], stats: BlendStats | None = None) -> Prefill:
         """Plain HF prefill of ``ids`` (also the loading controller's profiling function)."""
         stats = stats or BlendStats(mode="full", prompt_tokens=len(ids))
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([list(ids)], device=self.layers.device),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return Prefill(out.logits[0, -1].float(), out.past_key_values, list(ids), stats)
+        return full_prefill(self.model, self.layers.device, ids, stats)
 
-    def _fused_prefill(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
-        """Fused prefill; a stored entry that fails verification is dropped and recomputed."""
-        # the head, every chunk and the first chunk's exact entry may each be dropped once
-        for _ in range(len(prompt.chunks) + 2):
-            try:
-                return self._fused_prefill_once(prompt, mode, ratio, stats)
-            except CorruptEntryError as exc:
-                log.info("%s; recomputing it", exc)  # the store has warned already
-                self.store.discard(exc.key)
-        return self._fused_prefill_once(prompt, mode, ratio, stats)
-
-    def _fused_prefill_once(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
-        t_load = time.perf_counter()
-        schedule: list | None
-        if mode == "prefix":  # exact prefix cache; everything after it is prefilled
-            segments, schedule = self.chunks.prefix_segments(prompt), None
-        else:
-            segments, missing = self.chunks.lookup(prompt)
-            stats.chunk_misses = len(missing)
-            stats.chunk_hits = len(prompt.chunks) - len(missing)
-            if missing and self.on_miss is not None and prompt.chunk_texts:
-                self.on_miss([prompt.chunk_texts[i] for i in missing])
-            if not stats.chunk_hits:
-                what = "every chunk missed the cache" if prompt.chunks else "no chunks given"
-                reason = CACHE_MISS if prompt.chunks else NO_KNOWN_CHUNK
-                _fall_back(stats, reason, f"no chunk to fuse: {what}; precompute the chunks first")
-                return self.full_prefill(prompt.ids, stats)
-            if mode == "reuse":
-                schedule = []
-            else:
-                r = float(self.config.ratio if ratio is None else ratio)
-                stats.ratio = r
-                schedule = None if r >= 1.0 else self.config.schedule(r)
-        stats.load_ms = (time.perf_counter() - t_load) * 1000
-        # a head missing from the store is computed now (then stored): not served from a cache
-        stats.cached_tokens = sum(len(s) for s in segments if s.kv is not None and not s.computed)
-        fusion = fuse(
-            self.layers,
-            segments,
-            self.chunks.loader(segments),
-            schedule,
-            self.selector,
-            native=self.native,
-            gpu_path=self.row_attention == "masked",
-            kernels=self.layer_kernels,
-        )
-        stats.recomputed_fraction = fusion.recomputed_fraction
-        cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)
-        fusion.keys, fusion.values = [], []  # now owned by the cache; do not keep two copies
-        return Prefill(fusion.logits, cache, prompt.ids, stats, fusion)
-
-    def _uses_controller(self, ratio) -> bool:
-        return ratio == "auto" or (ratio is None and self.config.ratio == "auto")
-
-    def _controller_decide(self, n_tokens: int):
+    def _controller_decide(self, n_tokens: int) -> Decision:
         if self.controller is None:
             from ragblend.controller import LoadingController
 
@@ -666,8 +620,3 @@ class BlendEngine:
 
 
 _UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for
-
-
-def _fall_back(stats: BlendStats, reason: str, message: str) -> None:
-    log.info("full prefill instead of %s: %s", stats.mode, message)
-    fall_back(stats, reason, message)
