@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,29 +19,20 @@ from ragblend.decode import (
     BlendStats,
     BlendStream,
     DecodePool,
-    Decoder,
     HFDecoder,
     LayerDecoder,
     Prefill,
     SamplingParams,
-    decode_tokens,
-    decoder_for,
-    teacher_forced_logits,
 )
+from ragblend.decode.setup import DecodeSetup
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.fusion.selection import make_selector
 from ragblend.fusion.selectors import TokenSelector
-from ragblend.kernels import (
-    LayerKernels,
-    NativeKernels,
-    layer_kernels,
-    native_kernels,
-)
+from ragblend.kernels import LayerKernels, NativeKernels
+from ragblend.kernels.choice import KernelChoice
 from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.loading import load_model
-from ragblend.models.packed import is_packed, pack_decode_linears
-from ragblend.models.quantized import decode_activations_for, decode_path
 from ragblend.prefill import PrefillPlan, full_prefill, fused_prefill, plan_prefill
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
@@ -89,13 +80,11 @@ class BlendEngine:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
-        self._native: NativeKernels | None | object = _UNRESOLVED
-        self._layer_kernels: LayerKernels | None | object = _UNRESOLVED
-        # static decode pools by (slots, tokens, CUDA graphs), shared by this engine's views
-        self._decode_pools: dict[tuple[int, int, bool], DecodePool] = {}
-        self._decode_activations: str | None = None  # resolved on first use
-        if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
-            self._native = self._native_kernels(self.config)
+        lay, cfg = self.layers, self.config
+        self.kernels = KernelChoice(
+            cfg.row_attention, cfg.layer_kernels, lay.dtype, lay.device, lay.head_dim
+        )
+        self.decoding = DecodeSetup(model, lay, cfg, self.kernels)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
         self.on_miss: Callable[[list[str]], None] | None = None
@@ -151,17 +140,10 @@ class BlendEngine:
             view.selector = selector
         else:
             view.selector = make_selector(view.config)
-        if view.config.decode_activations != self.config.decode_activations:
-            view._decode_activations = None
-        if (view.config.row_attention, view.config.layer_kernels) != (
-            self.config.row_attention,
-            self.config.layer_kernels,
-        ):
-            view._layer_kernels = _UNRESOLVED
-        if view.config.row_attention != self.config.row_attention:
-            view._native = _UNRESOLVED
-            if view.config.row_attention == "native":
-                view._native = view._native_kernels(view.config)
+        view.kernels = self.kernels.with_options(
+            view.config.row_attention, view.config.layer_kernels
+        )
+        view.decoding = self.decoding.for_view(view.config, view.kernels)
         view.chunks = ChunkCache(
             self.layers,
             self.tokenizer,
@@ -174,45 +156,26 @@ class BlendEngine:
             view.controller = controller
         return view
 
-    def _native_kernels(self, config: BlendConfig) -> NativeKernels | None:
-        layers = self.layers
-        return native_kernels(config.row_attention, layers.dtype, layers.device, layers.head_dim)
-
     @property
     def native(self) -> NativeKernels | None:
         """The native CPU kernels blend runs on (:mod:`ragblend.kernels.cpu.native`), or None for
-        SDPA blocks. Built on first use, so engines that only precompute (warmup jobs, Ray
-        actors) never compile or load them."""
-        if self._native is _UNRESOLVED:
-            self._native = self._native_kernels(self.config)
-        return cast("NativeKernels | None", self._native)
+        SDPA blocks (:class:`~ragblend.kernels.choice.KernelChoice`: built on first use)."""
+        return self.kernels.native
 
     @native.setter
     def native(self, kernels: NativeKernels | None) -> None:
-        self._native = kernels
+        self.kernels.native = kernels
 
     @property
     def layer_kernels(self) -> LayerKernels | None:
         """The fused layer steps blend and reuse run (``BlendConfig.layer_kernels``), or None
         for HF's modules (and wherever the native CPU kernels run)."""
-        if self._layer_kernels is _UNRESOLVED:
-            layers = self.layers
-            self._layer_kernels = (
-                None
-                if self.native is not None
-                else layer_kernels(self.config.layer_kernels, layers.device, layers.dtype)
-            )
-        return cast("LayerKernels | None", self._layer_kernels)
+        return self.kernels.layer_kernels
 
     @property
     def row_attention(self) -> str:
-        """The selected-row attention blend runs: ``"native"``, ``"masked"`` (one SDPA call
-        per layer, masks built on the device: a GPU's default) or ``"sdpa"`` (blocks)."""
-        if self.native is not None:
-            return "native"
-        choice = self.config.row_attention
-        on_gpu = self.layers.device.type != "cpu"
-        return "masked" if choice == "masked" or (choice == "auto" and on_gpu) else "sdpa"
+        """The selected-row attention blend runs: ``"native"``, ``"masked"`` or ``"sdpa"``."""
+        return self.kernels.row_attention
 
     # ------------------------------------------------------------------ prompts and keys
     @property
@@ -337,16 +300,6 @@ class BlendEngine:
         """Exact KV of a prompt head (computed once, then served from the store)."""
         return self.chunks.prefix_kv(head)
 
-    # Kept for callers outside the engine's modules; new code uses ``engine.chunks``.
-    def _context_ids(self, head: list[int]) -> list[int]:
-        return self.chunks.context_ids(head)
-
-    def _compute_kv(self, ids: list[int], context_ids: list[int]):
-        return self.chunks.compute_kv(ids, context_ids)
-
-    def _prefix_key(self, head: Sequence[int]) -> str:
-        return self.chunks.prefix_key(head)
-
     # ------------------------------------------------------------------ prefill
     def prefill(
         self, prompt: TokenizedPrompt, mode: str | None = None, ratio: float | str | None = None
@@ -463,17 +416,7 @@ class BlendEngine:
                 return self.full_prefill(prompt)
             return self._prefill(prompt, mode, ratio)
 
-        decode = Decoder(
-            self.model,
-            self.tokenizer,
-            self.eos_ids,
-            params,
-            max_new,
-            self.layers,
-            self.native,
-            self.config.kv_cache_dtype,
-            self.decode_activations,
-        )
+        decode = self.decoding.streamer(self.tokenizer, self.eos_ids, params, max_new)
         return decode.stream(prefill, self._lock, started, self.prepare_decode)
 
     def generate(
@@ -511,9 +454,7 @@ class BlendEngine:
         the int8 kernels built and checked where it picks them). Not at start-up: engines that
         only precompute (warmup jobs, Ray actors) never pay its time, the weights' second copy
         or a kernel build."""
-        if self.config.packed_decode:
-            pack_decode_linears(self.model)
-        self.decode_activations  # noqa: B018 (resolved now: the int8 kernels built, or not)
+        self.decoding.prepare()
 
     @property
     def decode_activations(self) -> str:
@@ -521,11 +462,7 @@ class BlendEngine:
         (llama.cpp's 8-bit activations: ``config.decode_activations`` resolved for this CPU,
         the kernels built and checked on first use) or ``"float"`` (exact; also for dense
         models)."""
-        if self._decode_activations is None:
-            self._decode_activations = decode_activations_for(
-                self.model, self.config.decode_activations
-            )
-        return self._decode_activations
+        return self.decoding.activations
 
     def decoder(self, prefill: Prefill, max_new_tokens: int) -> LayerDecoder | HFDecoder:
         """A decoder after ``prefill`` with room for ``max_new_tokens`` (its ``step(token)``
@@ -533,40 +470,13 @@ class BlendEngine:
         ``ragblend.decode.decoder.decode_batch``; its K/V cache stored as
         ``config.kv_cache_dtype`` says). ``prefill`` is left as it is. Call
         :meth:`prepare_decode` once first."""
-        total = len(prefill.prompt_ids) + max_new_tokens
-        kv, activations = self.config.kv_cache_dtype, self.decode_activations
-        return decoder_for(
-            self.model,
-            self.layers,
-            prefill,
-            total,
-            self.native,
-            kv,
-            activations,
-            self.decode_pool,
-            self.layer_kernels,
-        )
+        return self.decoding.decoder(prefill, max_new_tokens)
 
     @property
     def decode_pool(self) -> DecodePool | None:
         """The static decode K/V pool this engine's decoders take slots of
         (``BlendConfig.decode_slots``), made on first use; None where it is off."""
-        slots = self.config.decode_slots
-        if slots is None:
-            slots = 8 if self.layers.device.type != "cpu" else 0
-        if not slots:
-            return None
-        tokens = self.config.decode_pool_tokens
-        if self.layers.context_window:
-            tokens = min(tokens, self.layers.context_window)
-        key = (slots, tokens, self.config.cuda_graphs)
-        pool = self._decode_pools.get(key)
-        if pool is None:
-            graphs = self.config.cuda_graphs
-            pool = self._decode_pools[key] = DecodePool(
-                self.layers, slots, tokens, cuda_graphs=graphs
-            )
-        return pool
+        return self.decoding.pool
 
     @property
     def decode_path(self) -> str:
@@ -575,48 +485,15 @@ class BlendEngine:
         ``"bf16-packed"`` (once a decode has packed the linears: fp32 on oneDNN-prepacked
         weights, bf16 on the native bf16 matmul or oneDNN's one-row path,
         :mod:`ragblend.models.packed`) or the plain dtype (``"fp32"``)."""
-        quantized = decode_path(self.model)
-        if quantized is not None and self.decode_activations == "int8":
-            return quantized.replace("-native", "-int8")
-        if quantized is not None:
-            return quantized
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        dtype = name.get(self.layers.dtype, str(self.layers.dtype))
-        return f"{dtype}-packed" if is_packed(self.model) else dtype
+        return self.decoding.path
 
     # ------------------------------------------------------------------ benchmarks
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy answer ids after ``prefill`` (EOS excluded; ``prefill`` is left as it was)."""
-        pre = dataclasses.replace(prefill, stats=copy.copy(prefill.stats))
-        self.prepare_decode()
-        greedy = SamplingParams()
-        ids = decode_tokens(
-            self.model,
-            pre,
-            greedy,
-            max_new_tokens,
-            self.eos_ids,
-            self.layers,
-            self.native,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            activations=self.decode_activations,
-        )
-        return list(ids)
+        return self.decoding.greedy_answer(prefill, max_new_tokens, self.eos_ids)
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt,
         through this engine's own decode steps (its kernels, ``kv_cache_dtype`` and
         :attr:`decode_activations`): a greedy answer is its own argmax row by row."""
-        self.prepare_decode()
-        return teacher_forced_logits(
-            self.model,
-            prefill,
-            answer_ids,
-            self.layers,
-            self.native,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            activations=self.decode_activations,
-        )
-
-
-_UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for
+        return self.decoding.teacher_forced_logits(prefill, answer_ids)
