@@ -34,7 +34,7 @@ from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
 from ragblend.models.loading import load_model
 from ragblend.prefill import PrefillPlan, full_prefill, fused_prefill, plan_prefill
-from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
+from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids, tokenize_prompt
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
 from ragblend.store.memory import MemoryStore
@@ -199,8 +199,6 @@ class BlendEngine:
         self, question: str, chunks: Sequence[str], prompt_format: PromptFormat | None = None
     ) -> TokenizedPrompt:
         """The prompt tokenised piecewise (head, each chunk, separators, question + tail)."""
-        from ragblend.prompt import tokenize_prompt
-
         fmt = prompt_format or self.prompt_format
         prompt = tokenize_prompt(self.tokenizer, fmt, list(chunks), question)
         self._check_length(len(prompt))

@@ -290,7 +290,7 @@ def test_a_model_off_the_cpu_gets_no_cpu_kernel_compiled_or_checked(monkeypatch)
     # device stands in for the GPU.
     from torch import nn
 
-    from ragblend.kernels.cpu import packed
+    from ragblend.models import packed
 
     def no_cpu_kernels(*args, **kwargs):
         raise AssertionError("a CPU kernel was asked for a model off the CPU")
