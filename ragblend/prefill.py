@@ -73,7 +73,8 @@ class PrefillPlan:
 
     @property
     def chunk_hits(self) -> int:
-        return len(self.prompt.chunks) - len(self.missing or ())
+        """Chunks found in the store (0 where chunks were not looked up)."""
+        return 0 if self.missing is None else len(self.prompt.chunks) - len(self.missing)
 
     @property
     def cached_tokens(self) -> int:
