@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,33 +19,22 @@ from ragblend.decode import (
     BlendStats,
     BlendStream,
     DecodePool,
-    Decoder,
     HFDecoder,
     LayerDecoder,
     Prefill,
     SamplingParams,
-    decode_tokens,
-    decoder_for,
-    teacher_forced_logits,
 )
+from ragblend.decode.setup import DecodeSetup
 from ragblend.errors import CorruptEntryError, RagblendError
-from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
-from ragblend.fusion.fusor import fuse
 from ragblend.fusion.selection import make_selector
 from ragblend.fusion.selectors import TokenSelector
-from ragblend.kernels import (
-    LayerKernels,
-    NativeKernels,
-    layer_kernels,
-    native_kernels,
-)
+from ragblend.kernels import LayerKernels, NativeKernels
+from ragblend.kernels.choice import KernelChoice
 from ragblend.matching import ChunkIndex, known_chunks
 from ragblend.models.adapters import LayerwiseModel, adapter_for
-from ragblend.models.hf_cache import dynamic_cache_of
 from ragblend.models.loading import load_model
-from ragblend.models.packed import is_packed, pack_decode_linears
-from ragblend.models.quantized import decode_activations_for, decode_path
-from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
+from ragblend.prefill import PrefillPlan, full_prefill, fused_prefill, plan_prefill
+from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids, tokenize_prompt
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
 from ragblend.store.memory import MemoryStore
@@ -53,7 +42,7 @@ from ragblend.store.memory import MemoryStore
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ragblend.controller import LoadingController
+    from ragblend.controller import Decision, LoadingController
     from ragblend.neighbours import NeighbourSource
 
 log = logging.getLogger(__name__)
@@ -91,13 +80,11 @@ class BlendEngine:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.selector: TokenSelector = make_selector(self.config)
-        self._native: NativeKernels | None | object = _UNRESOLVED
-        self._layer_kernels: LayerKernels | None | object = _UNRESOLVED
-        # static decode pools by (slots, tokens, CUDA graphs), shared by this engine's views
-        self._decode_pools: dict[tuple[int, int, bool], DecodePool] = {}
-        self._decode_activations: str | None = None  # resolved on first use
-        if self.config.row_attention == "native":  # its error (if any) at once, not mid-query
-            self._native = self._native_kernels(self.config)
+        lay, cfg = self.layers, self.config
+        self.kernels = KernelChoice(
+            cfg.row_attention, cfg.layer_kernels, lay.dtype, lay.device, lay.head_dim
+        )
+        self.decoding = DecodeSetup(model, lay, cfg, self.kernels)
         store = store if store is not None else MemoryStore(self.config.ram_bytes)
         self.chunks = ChunkCache(self.layers, tokenizer, self.config, store, self.fingerprint)
         self.on_miss: Callable[[list[str]], None] | None = None
@@ -153,17 +140,10 @@ class BlendEngine:
             view.selector = selector
         else:
             view.selector = make_selector(view.config)
-        if view.config.decode_activations != self.config.decode_activations:
-            view._decode_activations = None
-        if (view.config.row_attention, view.config.layer_kernels) != (
-            self.config.row_attention,
-            self.config.layer_kernels,
-        ):
-            view._layer_kernels = _UNRESOLVED
-        if view.config.row_attention != self.config.row_attention:
-            view._native = _UNRESOLVED
-            if view.config.row_attention == "native":
-                view._native = view._native_kernels(view.config)
+        view.kernels = self.kernels.with_options(
+            view.config.row_attention, view.config.layer_kernels
+        )
+        view.decoding = self.decoding.for_view(view.config, view.kernels)
         view.chunks = ChunkCache(
             self.layers,
             self.tokenizer,
@@ -176,45 +156,26 @@ class BlendEngine:
             view.controller = controller
         return view
 
-    def _native_kernels(self, config: BlendConfig) -> NativeKernels | None:
-        layers = self.layers
-        return native_kernels(config.row_attention, layers.dtype, layers.device, layers.head_dim)
-
     @property
     def native(self) -> NativeKernels | None:
         """The native CPU kernels blend runs on (:mod:`ragblend.kernels.cpu.native`), or None for
-        SDPA blocks. Built on first use, so engines that only precompute (warmup jobs, Ray
-        actors) never compile or load them."""
-        if self._native is _UNRESOLVED:
-            self._native = self._native_kernels(self.config)
-        return cast("NativeKernels | None", self._native)
+        SDPA blocks (:class:`~ragblend.kernels.choice.KernelChoice`: built on first use)."""
+        return self.kernels.native
 
     @native.setter
     def native(self, kernels: NativeKernels | None) -> None:
-        self._native = kernels
+        self.kernels.native = kernels
 
     @property
     def layer_kernels(self) -> LayerKernels | None:
         """The fused layer steps blend and reuse run (``BlendConfig.layer_kernels``), or None
         for HF's modules (and wherever the native CPU kernels run)."""
-        if self._layer_kernels is _UNRESOLVED:
-            layers = self.layers
-            self._layer_kernels = (
-                None
-                if self.native is not None
-                else layer_kernels(self.config.layer_kernels, layers.device, layers.dtype)
-            )
-        return cast("LayerKernels | None", self._layer_kernels)
+        return self.kernels.layer_kernels
 
     @property
     def row_attention(self) -> str:
-        """The selected-row attention blend runs: ``"native"``, ``"masked"`` (one SDPA call
-        per layer, masks built on the device: a GPU's default) or ``"sdpa"`` (blocks)."""
-        if self.native is not None:
-            return "native"
-        choice = self.config.row_attention
-        on_gpu = self.layers.device.type != "cpu"
-        return "masked" if choice == "masked" or (choice == "auto" and on_gpu) else "sdpa"
+        """The selected-row attention blend runs: ``"native"``, ``"masked"`` or ``"sdpa"``."""
+        return self.kernels.row_attention
 
     # ------------------------------------------------------------------ prompts and keys
     @property
@@ -238,8 +199,6 @@ class BlendEngine:
         self, question: str, chunks: Sequence[str], prompt_format: PromptFormat | None = None
     ) -> TokenizedPrompt:
         """The prompt tokenised piecewise (head, each chunk, separators, question + tail)."""
-        from ragblend.prompt import tokenize_prompt
-
         fmt = prompt_format or self.prompt_format
         prompt = tokenize_prompt(self.tokenizer, fmt, list(chunks), question)
         self._check_length(len(prompt))
@@ -339,16 +298,6 @@ class BlendEngine:
         """Exact KV of a prompt head (computed once, then served from the store)."""
         return self.chunks.prefix_kv(head)
 
-    # Kept for callers outside the engine's modules; new code uses ``engine.chunks``.
-    def _context_ids(self, head: list[int]) -> list[int]:
-        return self.chunks.context_ids(head)
-
-    def _compute_kv(self, ids: list[int], context_ids: list[int]):
-        return self.chunks.compute_kv(ids, context_ids)
-
-    def _prefix_key(self, head: Sequence[int]) -> str:
-        return self.chunks.prefix_key(head)
-
     # ------------------------------------------------------------------ prefill
     def prefill(
         self, prompt: TokenizedPrompt, mode: str | None = None, ratio: float | str | None = None
@@ -366,100 +315,56 @@ class BlendEngine:
             return self._prefill(prompt, mode, ratio)
 
     def _prefill(self, prompt: TokenizedPrompt, mode: str, ratio) -> Prefill:
+        """:meth:`prefill` without the engine's lock (the caller holds it or owns the engine)."""
         t0 = time.perf_counter()
         self._check_length(len(prompt))
         stats = BlendStats(mode=mode, prompt_tokens=len(prompt))
         stats.chunk_tokens = sum(len(c) for c in prompt.chunks)
-        if mode == "blend" and self._uses_controller(ratio):
-            decision = self._controller_decide(len(prompt))
-            stats.extra["controller"] = dataclasses.asdict(decision)
-            ratio = decision.ratio
-            if decision.fallback_full:
-                _fall_back(
-                    stats,
-                    CONTROLLER_FULL,
-                    f"loading the chunk KV from the {decision.tier} tier would "
-                    "take longer than a full prefill (loading controller)"
-                    if decision.reason == "loading"
-                    else f"blend at ratio {max(decision.r_star, decision.r_load):.2f} would not "
-                    "be faster than a full prefill on this device (loading controller's profile)",
-                )
-                mode = "full"
-        if mode == "full":
-            out = self.full_prefill(prompt.ids, stats)
-        else:
-            out = self._fused_prefill(prompt, mode, ratio, stats)
+        plan = plan_prefill(self.chunks, prompt, mode, ratio, self.config, self._controller_decide)
+        out = self._run(plan, stats)
         if out.logits.is_cuda:  # kernels are asynchronous: TTFT ends when the logits exist
             torch.cuda.synchronize(out.logits.device)
         stats.ttft_ms = (time.perf_counter() - t0) * 1000
         return out
 
+    def _run(self, plan: PrefillPlan, stats: BlendStats) -> Prefill:
+        """Run ``plan``. A stored entry that fails verification mid-fusion is dropped and the
+        prompt planned again without it: each entry a plan reads (the head, every chunk, the
+        first chunk's exact entry) may fail once."""
+        retries_left = len(plan.prompt.chunks) + 2
+        while True:
+            missed = plan.missed_texts()
+            if missed and self.on_miss is not None:
+                self.on_miss(missed)
+            plan.record(stats)
+            if not plan.fused:
+                return self.full_prefill(plan.prompt.ids, stats)
+            try:
+                return fused_prefill(
+                    self.model,
+                    self.layers,
+                    plan,
+                    stats,
+                    self.chunks.loader(plan.segments),
+                    self.selector,
+                    native=self.native,
+                    gpu_path=self.row_attention == "masked",
+                    kernels=self.layer_kernels,
+                )
+            except CorruptEntryError as exc:
+                if not retries_left:
+                    raise
+                retries_left -= 1
+                log.info("%s; recomputing it", exc)  # the store has warned already
+                self.store.discard(exc.key)
+                plan = plan.looked_up_again(self.chunks)
+
     def full_prefill(self, ids: Sequence[int], stats: BlendStats | None = None) -> Prefill:
         """Plain HF prefill of ``ids`` (also the loading controller's profiling function)."""
         stats = stats or BlendStats(mode="full", prompt_tokens=len(ids))
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([list(ids)], device=self.layers.device),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return Prefill(out.logits[0, -1].float(), out.past_key_values, list(ids), stats)
+        return full_prefill(self.model, self.layers.device, ids, stats)
 
-    def _fused_prefill(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
-        """Fused prefill; a stored entry that fails verification is dropped and recomputed."""
-        # the head, every chunk and the first chunk's exact entry may each be dropped once
-        for _ in range(len(prompt.chunks) + 2):
-            try:
-                return self._fused_prefill_once(prompt, mode, ratio, stats)
-            except CorruptEntryError as exc:
-                log.info("%s; recomputing it", exc)  # the store has warned already
-                self.store.discard(exc.key)
-        return self._fused_prefill_once(prompt, mode, ratio, stats)
-
-    def _fused_prefill_once(self, prompt: TokenizedPrompt, mode: str, ratio, stats: BlendStats):
-        t_load = time.perf_counter()
-        schedule: list | None
-        if mode == "prefix":  # exact prefix cache; everything after it is prefilled
-            segments, schedule = self.chunks.prefix_segments(prompt), None
-        else:
-            segments, missing = self.chunks.lookup(prompt)
-            stats.chunk_misses = len(missing)
-            stats.chunk_hits = len(prompt.chunks) - len(missing)
-            if missing and self.on_miss is not None and prompt.chunk_texts:
-                self.on_miss([prompt.chunk_texts[i] for i in missing])
-            if not stats.chunk_hits:
-                what = "every chunk missed the cache" if prompt.chunks else "no chunks given"
-                reason = CACHE_MISS if prompt.chunks else NO_KNOWN_CHUNK
-                _fall_back(stats, reason, f"no chunk to fuse: {what}; precompute the chunks first")
-                return self.full_prefill(prompt.ids, stats)
-            if mode == "reuse":
-                schedule = []
-            else:
-                r = float(self.config.ratio if ratio is None else ratio)
-                stats.ratio = r
-                schedule = None if r >= 1.0 else self.config.schedule(r)
-        stats.load_ms = (time.perf_counter() - t_load) * 1000
-        # a head missing from the store is computed now (then stored): not served from a cache
-        stats.cached_tokens = sum(len(s) for s in segments if s.kv is not None and not s.computed)
-        fusion = fuse(
-            self.layers,
-            segments,
-            self.chunks.loader(segments),
-            schedule,
-            self.selector,
-            native=self.native,
-            gpu_path=self.row_attention == "masked",
-            kernels=self.layer_kernels,
-        )
-        stats.recomputed_fraction = fusion.recomputed_fraction
-        cache = dynamic_cache_of(self.model.config, fusion.keys, fusion.values)
-        fusion.keys, fusion.values = [], []  # now owned by the cache; do not keep two copies
-        return Prefill(fusion.logits, cache, prompt.ids, stats, fusion)
-
-    def _uses_controller(self, ratio) -> bool:
-        return ratio == "auto" or (ratio is None and self.config.ratio == "auto")
-
-    def _controller_decide(self, n_tokens: int):
+    def _controller_decide(self, n_tokens: int) -> Decision:
         if self.controller is None:
             from ragblend.controller import LoadingController
 
@@ -509,17 +414,7 @@ class BlendEngine:
                 return self.full_prefill(prompt)
             return self._prefill(prompt, mode, ratio)
 
-        decode = Decoder(
-            self.model,
-            self.tokenizer,
-            self.eos_ids,
-            params,
-            max_new,
-            self.layers,
-            self.native,
-            self.config.kv_cache_dtype,
-            self.decode_activations,
-        )
+        decode = self.decoding.streamer(self.tokenizer, self.eos_ids, params, max_new)
         return decode.stream(prefill, self._lock, started, self.prepare_decode)
 
     def generate(
@@ -557,9 +452,7 @@ class BlendEngine:
         the int8 kernels built and checked where it picks them). Not at start-up: engines that
         only precompute (warmup jobs, Ray actors) never pay its time, the weights' second copy
         or a kernel build."""
-        if self.config.packed_decode:
-            pack_decode_linears(self.model)
-        self.decode_activations  # noqa: B018 (resolved now: the int8 kernels built, or not)
+        self.decoding.prepare()
 
     @property
     def decode_activations(self) -> str:
@@ -567,11 +460,7 @@ class BlendEngine:
         (llama.cpp's 8-bit activations: ``config.decode_activations`` resolved for this CPU,
         the kernels built and checked on first use) or ``"float"`` (exact; also for dense
         models)."""
-        if self._decode_activations is None:
-            self._decode_activations = decode_activations_for(
-                self.model, self.config.decode_activations
-            )
-        return self._decode_activations
+        return self.decoding.activations
 
     def decoder(self, prefill: Prefill, max_new_tokens: int) -> LayerDecoder | HFDecoder:
         """A decoder after ``prefill`` with room for ``max_new_tokens`` (its ``step(token)``
@@ -579,40 +468,13 @@ class BlendEngine:
         ``ragblend.decode.decoder.decode_batch``; its K/V cache stored as
         ``config.kv_cache_dtype`` says). ``prefill`` is left as it is. Call
         :meth:`prepare_decode` once first."""
-        total = len(prefill.prompt_ids) + max_new_tokens
-        kv, activations = self.config.kv_cache_dtype, self.decode_activations
-        return decoder_for(
-            self.model,
-            self.layers,
-            prefill,
-            total,
-            self.native,
-            kv,
-            activations,
-            self.decode_pool,
-            self.layer_kernels,
-        )
+        return self.decoding.decoder(prefill, max_new_tokens)
 
     @property
     def decode_pool(self) -> DecodePool | None:
         """The static decode K/V pool this engine's decoders take slots of
         (``BlendConfig.decode_slots``), made on first use; None where it is off."""
-        slots = self.config.decode_slots
-        if slots is None:
-            slots = 8 if self.layers.device.type != "cpu" else 0
-        if not slots:
-            return None
-        tokens = self.config.decode_pool_tokens
-        if self.layers.context_window:
-            tokens = min(tokens, self.layers.context_window)
-        key = (slots, tokens, self.config.cuda_graphs)
-        pool = self._decode_pools.get(key)
-        if pool is None:
-            graphs = self.config.cuda_graphs
-            pool = self._decode_pools[key] = DecodePool(
-                self.layers, slots, tokens, cuda_graphs=graphs
-            )
-        return pool
+        return self.decoding.pool
 
     @property
     def decode_path(self) -> str:
@@ -621,53 +483,15 @@ class BlendEngine:
         ``"bf16-packed"`` (once a decode has packed the linears: fp32 on oneDNN-prepacked
         weights, bf16 on the native bf16 matmul or oneDNN's one-row path,
         :mod:`ragblend.models.packed`) or the plain dtype (``"fp32"``)."""
-        quantized = decode_path(self.model)
-        if quantized is not None and self.decode_activations == "int8":
-            return quantized.replace("-native", "-int8")
-        if quantized is not None:
-            return quantized
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        dtype = name.get(self.layers.dtype, str(self.layers.dtype))
-        return f"{dtype}-packed" if is_packed(self.model) else dtype
+        return self.decoding.path
 
     # ------------------------------------------------------------------ benchmarks
     def greedy_answer(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy answer ids after ``prefill`` (EOS excluded; ``prefill`` is left as it was)."""
-        pre = dataclasses.replace(prefill, stats=copy.copy(prefill.stats))
-        self.prepare_decode()
-        greedy = SamplingParams()
-        ids = decode_tokens(
-            self.model,
-            pre,
-            greedy,
-            max_new_tokens,
-            self.eos_ids,
-            self.layers,
-            self.native,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            activations=self.decode_activations,
-        )
-        return list(ids)
+        return self.decoding.greedy_answer(prefill, max_new_tokens, self.eos_ids)
 
     def teacher_forced_logits(self, prefill: Prefill, answer_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(answer_ids), V] predicting each answer token after the prompt,
         through this engine's own decode steps (its kernels, ``kv_cache_dtype`` and
         :attr:`decode_activations`): a greedy answer is its own argmax row by row."""
-        self.prepare_decode()
-        return teacher_forced_logits(
-            self.model,
-            prefill,
-            answer_ids,
-            self.layers,
-            self.native,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            activations=self.decode_activations,
-        )
-
-
-_UNRESOLVED = object()  # BlendEngine._native before the kernels are first asked for
-
-
-def _fall_back(stats: BlendStats, reason: str, message: str) -> None:
-    log.info("full prefill instead of %s: %s", stats.mode, message)
-    fall_back(stats, reason, message)
+        return self.decoding.teacher_forced_logits(prefill, answer_ids)

@@ -82,7 +82,7 @@ def test_reuse_equals_stored_chunk_caches_with_only_positions_changed(family, to
     prompt = engine.tokenize(QUESTION, CHUNKS)
     out = engine.prefill(prompt, "reuse")
     lay = engine.layers
-    context = engine._context_ids(prompt.head)
+    context = engine.chunks.context_ids(prompt.head)
     start = len(prompt.head)
     for i, chunk in enumerate(prompt.chunks):
         if i:

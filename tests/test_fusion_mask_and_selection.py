@@ -77,7 +77,7 @@ def test_selected_token_never_attends_to_a_later_key(tokenizer):
     engine = engine_for(model, tokenizer, kv_dtype="float32")  # entries perturbed as floats
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    context = engine._context_ids(prompt.head)
+    context = engine.chunks.context_ids(prompt.head)
 
     def segments(noise: float):
         segs = [Segment("prefix", prompt.head, engine.prefix_kv(prompt.head), exact=True)]

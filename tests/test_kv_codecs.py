@@ -31,7 +31,9 @@ def make_engine(tokenizer, store, kv_dtype: str, seed: int = 0, **config) -> Ble
 
 
 def chunk_kv(engine: BlendEngine, text: str = CHUNKS[0]):
-    return engine._compute_kv(engine.tokenizer(text, add_special_tokens=False)["input_ids"], [])
+    return engine.chunks.compute_kv(
+        engine.tokenizer(text, add_special_tokens=False)["input_ids"], []
+    )
 
 
 @pytest.mark.parametrize("name", ["int4", "int2", "k8v4", "k4v8"])
@@ -150,7 +152,9 @@ def test_a_corrupted_or_truncated_compressed_entry_is_a_miss_that_is_recomputed(
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
     clean = engine.prefill(prompt, mode="blend")
-    key = engine.chunk_key(context_ids=engine._context_ids(prompt.head), chunk_ids=prompt.chunks[1])
+    key = engine.chunk_key(
+        context_ids=engine.chunks.context_ids(prompt.head), chunk_ids=prompt.chunks[1]
+    )
     path = store.data_dir / store._entry(key)["file"]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10  # one bit of the codes

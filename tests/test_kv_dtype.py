@@ -43,7 +43,7 @@ def test_every_storage_dtype_round_trips_within_its_bound_through_every_tier(
 ):
     engine = make_engine(tokenizer, MemoryStore(), family)
     ids = tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"]
-    kv = engine._compute_kv(ids, [])
+    kv = engine.chunks.compute_kv(ids, [])
     store = make_store(tier, path=tmp_path / "kv", fsync=False)
     store.put("key", pack(kv, kv_dtype))
     if tier == "tiered":
@@ -62,7 +62,7 @@ def test_every_storage_dtype_round_trips_within_its_bound_through_every_tier(
 
 def test_int8_stores_about_a_quarter_of_float32_with_its_scales(tokenizer):
     engine = make_engine(tokenizer, MemoryStore())
-    kv = engine._compute_kv(tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"], [])
+    kv = engine.chunks.compute_kv(tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"], [])
     q = pack(kv, "int8")
     assert isinstance(q, QuantizedKV)
     layers, heads, tokens, dim = kv.k.shape
@@ -109,7 +109,9 @@ def test_a_corrupted_scale_tensor_on_disk_is_caught_by_the_checksum(scale, token
     engine = make_engine(tokenizer, store, kv_dtype="int8")
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    key = engine.chunk_key(context_ids=engine._context_ids(prompt.head), chunk_ids=prompt.chunks[1])
+    key = engine.chunk_key(
+        context_ids=engine.chunks.context_ids(prompt.head), chunk_ids=prompt.chunks[1]
+    )
     _flip_scale_byte(store, key, scale)
     layer = int(scale.rsplit(".", 1)[1])
     entry = store.get(key)
@@ -127,7 +129,7 @@ def test_a_corrupted_scale_tensor_on_disk_is_caught_by_the_checksum(scale, token
 
 def test_an_unknown_storage_dtype_is_refused_by_name(tokenizer):
     engine = make_engine(tokenizer, MemoryStore())
-    kv = engine._compute_kv([1, 2, 3], [])
+    kv = engine.chunks.compute_kv([1, 2, 3], [])
     with pytest.raises(RagblendError, match="int3"):
         pack(kv, "int3")
 

@@ -27,7 +27,9 @@ def _index(namespace=None) -> NeighbourIndex:
 def _stored(engine, chunk: str):
     head = engine.prompt_head()
     ids = engine.tokenize(QUESTION, [chunk]).chunks[0]
-    return engine.store.get(engine.chunk_key(context_ids=engine._context_ids(head), chunk_ids=ids))
+    return engine.store.get(
+        engine.chunk_key(context_ids=engine.chunks.context_ids(head), chunk_ids=ids)
+    )
 
 
 def test_index_returns_the_most_similar_known_chunks_most_similar_last():
@@ -160,7 +162,7 @@ def test_computed_neighbour_rows_give_the_chunk_hf_full_prefill_of_its_context(t
     engine.precompute(CHUNKS[1:2])
     neighbours = engine.neighbour_ids(CHUNKS[1])
     assert neighbours  # CHUNKS[0] and [2], least similar first
-    context = engine._context_ids(engine.prompt_head())
+    context = engine.chunks.context_ids(engine.prompt_head())
     for ids in neighbours:
         context = context + ids + engine.chunks.separator_ids
     chunk = engine.tokenize(QUESTION, [CHUNKS[1]]).chunks[0]
@@ -192,7 +194,9 @@ def test_reused_neighbour_rows_keep_only_the_chunks_rows_computed(tokenizer):
 def test_a_neighbours_isolated_kv_is_computed_once_and_not_stored(tokenizer, monkeypatch):
     # each chunk's one entry (the first chunk's exact entry is another computation)
     engine = _neighbour_engine(tokenizer, "reused").with_config(exact_first_chunk=False)
-    engine.chunks.prefix_kv(engine._context_ids(engine.prompt_head()))  # the head, out of the way
+    engine.chunks.prefix_kv(
+        engine.chunks.context_ids(engine.prompt_head())
+    )  # the head, out of the way
     computed: list[list[int]] = []
     compute = engine.chunks.compute_kv
     monkeypatch.setattr(

@@ -59,7 +59,7 @@ def test_chunk_kv_of_every_family_round_trips_bit_exact_through_each_tier(
 ):
     engine = make_engine(family, tokenizer, MemoryStore())
     ids = tokenizer(CHUNKS[0], add_special_tokens=False)["input_ids"]
-    kv = engine._compute_kv(ids, [])
+    kv = engine.chunks.compute_kv(ids, [])
     store = make_store(tier, path=tmp_path / "kv", fsync=False)
     store.put("k1", kv)
     if tier == "tiered":
@@ -110,8 +110,8 @@ def test_entry_records_fingerprint_dtype_context_tokens_and_version(tmp_path, to
     # one entry per chunk: no first-chunk entry (exact_first_chunk) besides the heads
     engine = make_engine("llama", tokenizer, store).with_config(exact_first_chunk=False)
     engine.precompute(CHUNKS[:1])
-    context = engine._context_ids(engine.prompt_head())
-    (key,) = [k for k in store.keys() if k != engine._prefix_key(context)]
+    context = engine.chunks.context_ids(engine.prompt_head())
+    (key,) = [k for k in store.keys() if k != engine.chunks.prefix_key(context)]
     meta = store._entry(key)
     assert meta["fingerprint"] == engine.fingerprint
     assert meta["dtype"] == "torch.float32"
@@ -232,9 +232,11 @@ def test_damaged_entry_is_a_miss_and_the_answer_equals_a_run_without_it(
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    key = engine.chunk_key(context_ids=engine._context_ids(prompt.head), chunk_ids=prompt.chunks[1])
+    key = engine.chunk_key(
+        context_ids=engine.chunks.context_ids(prompt.head), chunk_ids=prompt.chunks[1]
+    )
     other = make_engine("llama", tokenizer, MemoryStore(), seed=1)
-    other_kv = other._compute_kv(prompt.chunks[1], engine._context_ids(prompt.head))
+    other_kv = other.chunks.compute_kv(prompt.chunks[1], engine.chunks.context_ids(prompt.head))
     DAMAGE[damage](store, key, monkeypatch, other_kv)
 
     with caplog.at_level(logging.WARNING):
@@ -253,12 +255,14 @@ def test_a_corrupt_prompt_head_cache_is_recomputed_by_queries_and_precompute(tok
     engine = make_engine("llama", tokenizer, store)
     engine.precompute(CHUNKS[:2])
     prompt = engine.tokenize(QUESTION, CHUNKS[:2])
-    prefix_key = engine._prefix_key(prompt.head)
+    prefix_key = engine.chunks.prefix_key(prompt.head)
     want = engine.prefill(prompt, mode="blend")
     flip_last_layer_byte(store, prefix_key)
     got = engine.prefill(prompt, mode="blend")  # the head's cache is recomputed and re-stored
     assert torch.equal(got.logits, want.logits) and prefix_key in store
-    context_key = engine._prefix_key(engine._context_ids(prompt.head))  # precompute's head
+    context_key = engine.chunks.prefix_key(
+        engine.chunks.context_ids(prompt.head)
+    )  # precompute's head
     flip_last_layer_byte(store, context_key)
     assert engine.precompute(CHUNKS[2:]) == 1
     assert store.verify()["corrupt"] == 0

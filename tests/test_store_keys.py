@@ -36,7 +36,7 @@ def test_fusion_leaves_the_stored_cache_unchanged(tokenizer):
     engine = engine_for(tiny_model("qwen3"), tokenizer, ratio=0.5, kv_dtype="float32")
     engine.precompute(CHUNKS)
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    context = engine._context_ids(prompt.head)
+    context = engine.chunks.context_ids(prompt.head)
     keys = [engine.chunk_key(context_ids=context, chunk_ids=c) for c in prompt.chunks]
     before = [(engine.store.get(k).k.clone(), engine.store.get(k).v.clone()) for k in keys]
     for mode in ("blend", "reuse"):

@@ -324,7 +324,9 @@ def test_corrupted_value_mid_query_is_a_miss_and_the_answer_equals_a_cold_run(
     engine.precompute(CHUNKS)
     store.flush()
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    key = engine.chunk_key(context_ids=engine._context_ids(prompt.head), chunk_ids=prompt.chunks[1])
+    key = engine.chunk_key(
+        context_ids=engine.chunks.context_ids(prompt.head), chunk_ids=prompt.chunks[1]
+    )
     name = store.redis_key(key)
     blob = bytearray(store.client.hget(name, layer_field(2)))
     blob[len(blob) // 2] ^= 0x01

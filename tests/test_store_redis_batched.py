@@ -152,7 +152,7 @@ def test_chunk_damaged_mid_query_answers_as_if_it_had_missed(redis_server, token
     engine.precompute(CHUNKS)
     store.flush()
     prompt = engine.tokenize(QUESTION, CHUNKS)
-    context = engine._context_ids(prompt.head)
+    context = engine.chunks.context_ids(prompt.head)
     keys = [engine.chunk_key(context_ids=context, chunk_ids=c) for c in prompt.chunks]
     ram = BlendEngine(tiny_model("llama"), tokenizer, BlendConfig(), MemoryStore())
     ram.precompute(CHUNKS)

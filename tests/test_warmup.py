@@ -331,7 +331,7 @@ def test_two_processes_warming_the_same_chunks_store_each_once(dataset, model_di
     ref.precompute([passage(0), passage(1)])
     for chunk in (passage(0), passage(1)):
         key = engine.chunk_key(
-            context_ids=engine._context_ids(engine.tokenize("q", [chunk]).head),
+            context_ids=engine.chunks.context_ids(engine.tokenize("q", [chunk]).head),
             chunk_ids=engine.tokenizer(chunk, add_special_tokens=False)["input_ids"],
         )
         got, want = store.get(key), ref.store.get(key)

@@ -226,7 +226,7 @@ def test_ray_warmup_of_a_chroma_collection_fills_redis_and_resumes(
     assert all(engine.is_cached(d) for d in docs)
     prefill = engine.prefill(engine.tokenize("Which river?", docs[:3]), mode="blend")
     assert prefill.stats.chunk_hits == 3
-    context = engine._context_ids(engine.prompt_head())
+    context = engine.chunks.context_ids(engine.prompt_head())
     engine.store.discard(
         engine.chunk_key(context_ids=context, chunk_ids=encode(engine.tokenizer, docs[4]))
     )

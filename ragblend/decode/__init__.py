@@ -15,6 +15,9 @@ Layers, bottom up (each module imports only the ones above it in this list):
   preallocated K/V, and :func:`decode_batch` for a step of several requests;
 - :mod:`~ragblend.decode.generation`: the drivers (``generate``, streams, HF's own decoder for
   what the layer-wise one does not cover) and the result types.
+- :mod:`~ragblend.decode.setup`: one engine's decoding (:class:`DecodeSetup`: its decode
+  options resolved, its static pools, the decoders, greedy answers and teacher-forced logits
+  ``BlendEngine`` hands out).
 
 The kernels these call live in :mod:`ragblend.kernels`, one backend per device.
 """

@@ -8,6 +8,8 @@
 - :mod:`ragblend.kernels.cuda`: one registered op per layer step with a torch reference on any
   device, and Triton kernels for CUDA (:func:`layer_kernels`).
 
+:mod:`~ragblend.kernels.choice` resolves which of them one engine's config runs, on first use.
+
 Every loader checks its kernels against the torch/HF reference when they load and returns None
 (one warning) where they do not apply or disagree: callers then take torch's own ops. Nothing
 here imports fusion, models or decode: kernels are the bottom layer.
