@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import logging
@@ -48,6 +49,7 @@ from ragblend.models.quantized import decode_activations_for, decode_path
 from ragblend.prompt import PromptFormat, TokenizedPrompt, chat_ids
 from ragblend.store.base import KVStore
 from ragblend.store.keys import model_fingerprint
+from ragblend.store.layered import served_from
 from ragblend.store.memory import MemoryStore
 
 if TYPE_CHECKING:
@@ -425,6 +427,9 @@ class BlendEngine:
             segments, missing = self.chunks.lookup(prompt)
             stats.chunk_misses = len(missing)
             stats.chunk_hits = len(prompt.chunks) - len(missing)
+            held = [s.kv for s in segments if s.kind == "chunk" and s.kv is not None]
+            tiers = collections.Counter(served_from(self.store, kv) for kv in held)
+            stats.extra["chunk_tiers"] = dict(tiers)  # the tier that served each hit
             if missing and self.on_miss is not None and prompt.chunk_texts:
                 self.on_miss([prompt.chunk_texts[i] for i in missing])
             if not stats.chunk_hits:

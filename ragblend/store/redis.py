@@ -127,7 +127,11 @@ class RedisStore:
         self.bytes_written = 0
         self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
         self.last_error: str | None = None
-        self._errors = redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
+        self._errors: tuple[type[BaseException], ...] = (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            OSError,
+        )
         self._redis_error = redis.exceptions.RedisError
         if password is None:
             password = os.environ.get(PASSWORD_ENV) or None
