@@ -83,6 +83,26 @@ class AffinityTable:
         return len(gone)
 
 
+class RoutedCounts:
+    """Requests routed, by (replica id, reason): every chunk router of a process counts here
+    (:data:`ROUTED`), the ingress reads them for ``/metrics``."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+
+    def count(self, replica: str, reason: str) -> None:
+        with self._lock:
+            self._counts[(replica, reason)] += 1
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+ROUTED = RoutedCounts()
+
+
 @dataclass(frozen=True)
 class Choice:
     """A routing decision: the replica and why (one of :data:`REASONS`)."""

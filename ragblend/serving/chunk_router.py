@@ -9,16 +9,16 @@ ranks the chosen replica first, every other one second (Serve takes the least lo
 second rank when the first is full). Each routed request records its chunks against the
 replica that got it; a replica that dies or leaves is forgotten.
 
-The routing decisions of every router in this process are counted by reason and replica
-(:func:`decisions`), which the ingress exposes in ``/metrics``.
+The routing decisions of every router in this process are counted by replica and reason
+(``affinity.ROUTED``), which the ingress exposes in ``/metrics``. Serve pickles this module by
+value into each process that routes, so nothing here holds state of its own: the table lives on
+the router, the counts in :mod:`ragblend.serving.affinity` (imported, not copied).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
-from collections import Counter
 from typing import Any
 
 from ray.serve.request_router import (
@@ -28,32 +28,14 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from ragblend.serving.affinity import (
-    DEFAULT_LOAD_BOUND,
-    DEFAULT_TABLE_SIZE,
-    LOAD,
-    AffinityTable,
-    choose,
-)
+from ragblend.serving import affinity
 
 log = logging.getLogger(__name__)
 
 CHUNK_IDS = "chunk_ids"  # the keyword argument that carries a request's chunk ids
 ROUTER_PATH = f"{__name__}.ChunkRouter"
 
-_DECISIONS: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> requests
-_DECISIONS_LOCK = threading.Lock()
-
-
-def decisions() -> dict[tuple[str, str], int]:
-    """Requests routed by the chunk routers of this process, by (replica id, reason)."""
-    with _DECISIONS_LOCK:
-        return dict(_DECISIONS)
-
-
-def _count(replica: str, reason: str) -> None:
-    with _DECISIONS_LOCK:
-        _DECISIONS[(replica, reason)] += 1
+MAX_PENDING = 4096  # choices remembered for requests not routed yet (cancelled ones age out)
 
 
 def chunk_ids_of(pending: PendingRequest | None) -> list[str]:
@@ -70,8 +52,10 @@ class ChunkRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """``load_bound``: requests in flight the affinity replica may have beyond the least
         loaded one; ``table_size``: chunk ids remembered."""
-        self.load_bound = int(kwargs.get("load_bound", DEFAULT_LOAD_BOUND))
-        self.table = AffinityTable(int(kwargs.get("table_size", DEFAULT_TABLE_SIZE)))
+        self.load_bound = int(kwargs.get("load_bound", affinity.DEFAULT_LOAD_BOUND))
+        self.table = affinity.AffinityTable(
+            int(kwargs.get("table_size", affinity.DEFAULT_TABLE_SIZE))
+        )
         self._chosen: dict[str, str] = {}  # internal request id -> the replica chosen first
         self._reasons: dict[str, str] = {}  # internal request id -> why
 
@@ -86,11 +70,15 @@ class ChunkRouter(RequestRouter):
         loads = await self._loads(shuffled)
         by_id = {r.replica_id.unique_id: r for r in shuffled}
         ids = chunk_ids_of(pending_request)
-        choice = choose(ids, list(by_id), loads, self.table, self.load_bound)
+        choice = affinity.choose(ids, list(by_id), loads, self.table, self.load_bound)
         chosen = by_id[choice.replica]
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
             self._chosen[rid], self._reasons[rid] = choice.replica, choice.reason
+            while len(self._chosen) > MAX_PENDING:
+                oldest = next(iter(self._chosen))
+                self._chosen.pop(oldest)
+                self._reasons.pop(oldest, None)
         rest = [r for r in shuffled if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
 
@@ -115,12 +103,12 @@ class ChunkRouter(RequestRouter):
         chosen, reason = self._chosen.pop(rid, None), self._reasons.pop(rid, None)
         replica = replica_id.unique_id
         if reason is not None and chosen != replica:
-            reason = LOAD  # the chosen replica was full: Serve took the least loaded other
+            reason = affinity.LOAD  # the chosen replica was full: Serve took the least loaded other
         ids = chunk_ids_of(pending_request)
         if ids:
             self.table.record(ids, replica)
         if reason is not None:
-            _count(replica, reason)
+            affinity.ROUTED.count(replica, reason)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

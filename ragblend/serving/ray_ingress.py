@@ -28,7 +28,7 @@ from typing import Any
 
 from ragblend.matching import ChunkIndex
 from ragblend.serving import protocol as p
-from ragblend.serving.affinity import chunk_id, request_chunks
+from ragblend.serving.affinity import ROUTED, chunk_id, request_chunks
 from ragblend.serving.metrics import merge_labelled
 from ragblend.serving.ray_replica import wire_scope
 from ragblend.store.chunk_texts import ChunkTexts
@@ -54,7 +54,7 @@ class ChunkIngress:
         self.scope: str | None = None
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.serve_asgi
+        return _Asgi(self)
 
     # ------------------------------------------------------------------ ASGI
     async def serve_asgi(self, scope: dict, receive: Any, send: Any) -> None:
@@ -91,8 +91,8 @@ class ChunkIngress:
             try:
                 async for message in answer:
                     if message.get("type") == "http.response.start":
-                        started = True
-                        sse = _is_sse(message)
+                        started, sse = True, _is_sse(message)
+                        message = _without_request_id(message)
                     await send(message)
                 return
             except asyncio.CancelledError:
@@ -149,15 +149,13 @@ class ChunkIngress:
         return 200, {**body, "replicas": replicas}
 
     async def send_metrics(self, send: Any) -> None:
-        from ragblend.serving.chunk_router import decisions
-
         texts = {r["replica"]: r["metrics"] for r in await self.reports()}
         routed = [
             "# HELP ragblend:routed_requests_total Requests the chunk router sent, by replica "
             "and reason (affinity, load, new_chunks, no_chunk)",
             "# TYPE ragblend:routed_requests_total counter",
         ]
-        for (replica, reason), n in sorted(decisions().items()):
+        for (replica, reason), n in sorted(ROUTED.snapshot().items()):
             routed.append(
                 f'ragblend:routed_requests_total{{reason="{reason}",replica="{replica}"}} {n}'
             )
@@ -167,11 +165,29 @@ class ChunkIngress:
         await send({"type": "http.response.body", "body": out})
 
 
+class _Asgi:
+    """The ingress as an ASGI 3 app (an object whose ``__call__`` is a coroutine function, as
+    uvicorn's lifespan runner, which Serve uses, expects)."""
+
+    def __init__(self, ingress: ChunkIngress) -> None:
+        self.ingress = ingress
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.ingress.serve_asgi(scope, receive, send)
+
+
 def _replica_lost(exc: BaseException) -> bool:
     """Whether ``exc`` says the replica (its actor) died or cannot be reached."""
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     return isinstance(exc, (RayActorError, ActorUnavailableError))
+
+
+def _without_request_id(start: Message) -> Message:
+    """The replica's response start without its ``x-request-id`` header: Serve's proxy adds
+    the request's id to every response (the id the app saw, so it is not lost)."""
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"x-request-id"]
+    return {**start, "headers": headers}
 
 
 def _is_sse(start: Message) -> bool:

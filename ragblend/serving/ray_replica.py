@@ -6,7 +6,8 @@ tier (a single server or a Redis Cluster), so a chunk precomputed anywhere on th
 hit here. It runs the very ASGI app of ``ragblend serve`` (:func:`ragblend.serving.app.
 create_app`) in-process: :meth:`ChunkReplica.asgi` plays one HTTP request the ingress read
 into the app and streams the app's ASGI messages back, so every route answers as the single
-process does, server-sent events included. A request whose caller goes away (the client
+process does, server-sent events included (each answer names its replica in an
+``x-ragblend-replica`` header). A request whose caller goes away (the client
 disconnected and the ingress cancelled the call) reads as a client disconnect to the app.
 
 No Ray import here: Ray Serve wraps the class (``ragblend.serving.ray_serve``).
@@ -32,6 +33,7 @@ SCOPE_KEYS = (
     "root_path", "headers", "client", "server",
 )  # fmt: skip
 LOAD_POLL_S = 0.05
+REPLICA_HEADER = b"x-ragblend-replica"  # names the replica that answered, on every answer
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,12 @@ class ChunkReplica:
         task.add_done_callback(lambda _t: messages.put_nowait(None))
         try:
             while (message := await messages.get()) is not None:
+                if message.get("type") == "http.response.start":
+                    headers = [
+                        *message.get("headers", []),
+                        (REPLICA_HEADER, self.replica_id.encode()),
+                    ]
+                    message = {**message, "headers": headers}
                 yield message
                 if message.get("type") == "http.response.body" and not message.get("more_body"):
                     break
