@@ -61,6 +61,14 @@ def test_requests_without_known_or_held_chunks_go_to_the_least_loaded_replica():
     assert fresh.replica == "r3" and fresh.reason == NEW_CHUNKS  # ties: the candidates' order
 
 
+def test_new_chunks_go_to_the_idle_replica_holding_the_fewest_chunks():
+    table = table_with(r1=["a", "b", "c"], r2=["d"])
+    assert choose(["x"], ["r1", "r2"], {}, table) == Choice("r2", NEW_CHUNKS)
+    assert choose(["x"], ["r1", "r2"], {"r2": 1}, table) == Choice("r1", NEW_CHUNKS)
+    table.record(["d"], "r1")  # a chunk moves: r2 holds none now
+    assert table.held("r1") == 4 and table.held("r2") == 0
+
+
 def test_unknown_loads_count_as_idle_and_gone_replicas_hold_nothing():
     table = table_with(r1=["a"], r9=["b", "c"])  # r9 is not a candidate any more
     choice = choose(["a", "b", "c"], ["r1", "r2"], {"r1": None}, table)

@@ -11,7 +11,9 @@ loads (requests in flight). No Ray here: the policy is tested as a function.
 The policy: the replica that was sent most of the request's chunks recently wins (ties: the
 less loaded, then the candidates' order); when it has more than ``load_bound`` requests in
 flight beyond the least loaded replica, or when no candidate holds any of the chunks, the least
-loaded replica takes the request (ties: the candidates' order, which the router shuffles).
+loaded replica takes the request (ties: the one holding the fewest chunks, so new chunks spread
+the working set over the replicas' RAM tiers; then the candidates' order, which the router
+shuffles).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class AffinityTable:
             raise ValueError(f"an affinity table needs a capacity >= 1, got {capacity}")
         self.capacity = capacity
         self._owner: OrderedDict[str, str] = OrderedDict()
+        self._held: Counter[str] = Counter()  # chunks per replica
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -60,14 +63,24 @@ class AffinityTable:
         """``replica`` was sent a request holding ``chunk_ids``: it holds them now."""
         with self._lock:
             for cid in chunk_ids:
+                before = self._owner.get(cid)
+                if before is not None:
+                    self._held[before] -= 1
                 self._owner[cid] = replica
                 self._owner.move_to_end(cid)
+                self._held[replica] += 1
             while len(self._owner) > self.capacity:
-                self._owner.popitem(last=False)
+                _, dropped = self._owner.popitem(last=False)
+                self._held[dropped] -= 1
 
     def owner(self, chunk: str) -> str | None:
         with self._lock:
             return self._owner.get(chunk)
+
+    def held(self, replica: str) -> int:
+        """How many chunks ``replica`` was last sent (of those remembered)."""
+        with self._lock:
+            return self._held[replica]
 
     def counts(self, chunk_ids: Iterable[str]) -> Counter[str]:
         """How many of ``chunk_ids`` each replica was last sent."""
@@ -80,6 +93,7 @@ class AffinityTable:
             gone = [c for c, r in self._owner.items() if r == replica]
             for cid in gone:
                 del self._owner[cid]
+            self._held.pop(replica, None)
         return len(gone)
 
 
@@ -132,7 +146,7 @@ def choose(
     def load(replica: str) -> int:
         return loads.get(replica) or 0
 
-    least = min(candidates, key=lambda r: (load(r), order[r]))
+    least = min(candidates, key=lambda r: (load(r), table.held(r), order[r]))
     if not chunk_ids:
         return Choice(least, NO_CHUNK)
     counts = table.counts(dict.fromkeys(chunk_ids))
