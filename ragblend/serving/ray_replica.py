@@ -104,6 +104,8 @@ class ChunkReplica:
         if self.server.load_error is not None:
             raise RagblendError(f"the replica could not load {settings.model}: "
                                 f"{self.server.load_error}")  # fmt: skip
+        # ready once the compute loop has prepared decoding (native kernels loaded or built)
+        self.server.scheduler.call(lambda: None).result()
         self.replica_id = _replica_id()
         log.info("replica %s serves %s", self.replica_id, settings.model)
 
