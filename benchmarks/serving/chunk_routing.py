@@ -13,7 +13,8 @@ of its ``--top-k`` passages, drawn at random. Every replica's RAM tier holds
 Measured per routing, from the replicas' ``ragblend:chunk_tier_hits_total{replica, tier}``:
 the RAM-tier hit rate (chunks served from a replica's RAM tier / chunks served), and the TTFT
 (client-side, to the first streamed token; and the server's ``ttft_ms``) p50 and mean. Writes
-``chunk_routing.json`` and ``chunk_routing.png`` under ``--out``.
+``chunk_routing.json`` and ``chunk_routing.png`` (``chunk_routing_<tag>.*`` with ``--tag``) under
+``--out``.
 """
 
 from __future__ import annotations
@@ -125,13 +126,16 @@ def ask(client: httpx.Client, model: str, request: dict, max_tokens: int) -> dic
     t0 = time.perf_counter()
     first, info, replica = None, None, ""
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"request failed: {r.status_code} {r.read().decode()[:300]}")
         replica = r.headers.get("x-ragblend-replica", "")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - t0
+            if first is None and event.get("choices") and event["choices"][0]["delta"]:
+                if "role" not in event["choices"][0]["delta"]:  # a token, not the role event
+                    first = time.perf_counter() - t0
             info = event.get("ragblend") or info
     info = info or {}
     return {
@@ -143,12 +147,12 @@ def ask(client: httpx.Client, model: str, request: dict, max_tokens: int) -> dic
     }
 
 
-def run_routing(args, settings, routing: str, requests: list[dict]) -> dict:
+def run_routing(args, settings, routing: str, requests: list[dict], port: int) -> dict:
+    """Deploy with ``routing`` (fresh replicas: empty RAM tiers), answer ``requests``, delete."""
     from ray import serve
 
     from ragblend.serving.ray_serve import RayOptions, start
 
-    port = free_port()
     t0 = time.perf_counter()
     start(settings, RayOptions(replicas=args.replicas, routing=routing), port=port)
     deployed = time.perf_counter() - t0
@@ -219,6 +223,7 @@ def main() -> None:
     ap.add_argument("--ram-fraction", type=float, default=0.55)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "intel-amx"))
+    ap.add_argument("--tag", default="", help="file name suffix: chunk_routing<_tag>.json")
     args = ap.parse_args()
 
     import ray
@@ -237,10 +242,13 @@ def main() -> None:
             warmed = warm(args, url)
             working_set, chunks = chunk_bytes(url, min(16, args.chunk_tokens // 2))
             ram_bytes = int(working_set * args.ram_fraction)
-            settings = ReplicaSettings(model=args.model, redis_url=url, ram_bytes=ram_bytes)
+            settings = ReplicaSettings(
+                model=args.model, redis_url=url, ram_bytes=ram_bytes, model_names=(args.model,)
+            )
             ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False)
             try:
-                runs = [run_routing(args, settings, r, requests) for r in ("chunk", "pow2")]
+                port = free_port()  # Serve's proxy keeps its port for both deployments
+                runs = [run_routing(args, settings, r, requests, port) for r in ("chunk", "pow2")]
             finally:
                 from ray import serve
 
@@ -256,7 +264,7 @@ def main() -> None:
     result = {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tag")},
         "warmup": warmed,
         "working_set_bytes": working_set,
         "working_set_chunks": chunks,
@@ -269,8 +277,9 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chunk_routing.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "chunk_routing.png")
+    name = f"chunk_routing_{args.tag}" if args.tag else "chunk_routing"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{name}.png")
     for r in runs:
         print(
             f"{r['routing']:>5}: RAM-tier hit rate {r['ram_tier_hit_rate']:.2f} "
