@@ -1,6 +1,8 @@
-"""``ragblend serve --ray``: two real Ray Serve replicas of a tiny model on a real Redis, one
-Ray instance and one deployment for the module (chunk routing, load bound 0 so concurrent
-requests spread); the CLI's errors; no Ray import without ``--ray``."""
+"""``ragblend serve --ray``: two real Ray Serve replicas of a tiny model sharing a real Redis
+Cluster (three masters, the URL of one node), one Ray instance and one deployment for the
+module (chunk routing, load bound 0 so concurrent requests spread); the CLI's errors; no Ray
+import without ``--ray``. (The benchmark, benchmarks/serving/chunk_routing.py, runs on a single
+Redis server.)"""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from conftest import tiny_model
-from redis_server import RedisServer, free_port
+from redis_cluster import RedisClusterNodes
+from redis_server import free_port
 
 from ragblend.cli import main
 
@@ -39,14 +42,18 @@ def model_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """Redis, a local Ray instance (2 CPUs) and the application: 2 replicas, chunk routing."""
+    """A Redis Cluster, a local Ray instance (2 CPUs) and the application: 2 replicas, chunk
+    routing."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     from ragblend.serving.ray_replica import ReplicaSettings
     from ragblend.serving.ray_serve import RayOptions, start
 
-    with tempfile.TemporaryDirectory(prefix="ragblend-ray-") as d, RedisServer(Path(d)) as redis:
+    with (
+        tempfile.TemporaryDirectory(prefix="ragblend-ray-") as d,
+        RedisClusterNodes(Path(d), masters=3, replicas=0) as redis,
+    ):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         port = free_port()
         settings = ReplicaSettings(model=str(model_dir), redis_url=redis.url, max_tokens=8)
