@@ -127,3 +127,52 @@ def test_bodies_without_chunks_or_not_json_find_none():
     assert request_chunks("/tokenize", json.dumps({"prompt": A}).encode(), index) == []
     plain = {"messages": [{"role": "user", "content": "hello there"}]}
     assert request_chunks("/v1/chat/completions", json.dumps(plain).encode(), index) == []
+
+
+def test_replica_metrics_merge_into_one_exposition_with_a_replica_label():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ragblend.decode import BlendStats
+    from ragblend.serving.metrics import ServerMetrics, merge_labelled
+
+    a, b = ServerMetrics(), ServerMetrics()
+    stats = BlendStats(mode="blend", prompt_tokens=10, chunk_hits=2)
+    stats.extra["chunk_tiers"] = {"ram": 1, "redis": 1}
+    a.first_token(stats)
+    b.error(429)
+    text = merge_labelled({"r1": a.render().decode(), "r2": b.render().decode()}).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# TYPE ragblend:chunk_hits_total counter") == 1
+
+    def totals(name: str) -> list:
+        return [s for s in families[name].samples if s.name.endswith("_total")]
+
+    hits = {s.labels["replica"]: s.value for s in totals("ragblend:chunk_hits")}
+    assert hits == {"r1": 2.0, "r2": 0.0}
+    tiers = {
+        (s.labels["replica"], s.labels["tier"]): s.value for s in totals("ragblend:chunk_tier_hits")
+    }
+    assert tiers == {("r1", "ram"): 1.0, ("r1", "redis"): 1.0}
+    assert [(s.labels, s.value) for s in totals("ragblend:request_errors")] == [
+        ({"status": "429", "replica": "r2"}, 1.0)
+    ]
+
+
+def test_a_layered_store_says_which_tier_served_an_entry():
+    import torch
+
+    from ragblend.store.base import ChunkKV
+    from ragblend.store.layered import LayeredStore, served_from
+    from ragblend.store.memory import MemoryStore
+
+    ram, lower = MemoryStore(), MemoryStore()
+    lower.tier = "disk"
+    store = LayeredStore([ram, lower])
+    kv = ChunkKV(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), {})
+    lower.put("k", kv)
+    first = store.get("k")
+    assert first is not None and served_from(store, first) == "disk"
+    first.materialize()  # every layer read: promoted into the RAM tier
+    again = store.get("k")
+    assert again is not None and served_from(store, again) == "ram"
+    assert served_from(lower, kv) == "disk"
