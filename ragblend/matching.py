@@ -226,19 +226,31 @@ def chunked_prompt(
     if messages is None:
         split = split_text(text or "", find_chunks(text or "", index, retrieved))
         return None if split is None else _tokenized(tokenizer, "", split, "")
-    best, best_split, best_chars = -1, None, 0
+    found = best_split(messages, index, retrieved)
+    if found is None:
+        return None
+    best, split = found
+    marked = [dict(m) for m in messages]
+    marked[best]["content"] = _MARK
+    template_before, template_after = _render(tokenizer, marked)
+    return _tokenized(tokenizer, template_before, split, template_after)
+
+
+def best_split(
+    messages: Sequence[dict], index: ChunkIndex | None = None, retrieved: Iterable[str] = ()
+) -> tuple[int, ChunkedText] | None:
+    """The message whose content holds the most chunk text (its index) and that content split
+    at its chunks; None when no known chunk occurs in any message. The chunks a chat prompt
+    fuses (:func:`chunked_prompt`), found without a tokenizer (a router uses it)."""
+    retrieved = tuple(retrieved)
+    best, best_chars, chosen = -1, 0, None
     for i, message in enumerate(messages):
         content = message.get("content") or ""
         split = split_text(content, find_chunks(content, index, retrieved))
         chars = sum(len(c) for c in split.chunks) if split else 0
         if chars > best_chars:
-            best, best_split, best_chars = i, split, chars
-    if best_split is None:
-        return None
-    marked = [dict(m) for m in messages]
-    marked[best]["content"] = _MARK
-    template_before, template_after = _render(tokenizer, marked)
-    return _tokenized(tokenizer, template_before, best_split, template_after)
+            best, best_chars, chosen = i, chars, split
+    return None if chosen is None else (best, chosen)
 
 
 def _render(tokenizer, messages: list[dict]) -> tuple[str, str]:

@@ -12,6 +12,7 @@ then makes the one new plan that runs without it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -24,6 +25,7 @@ from ragblend.decode import BlendStats, Prefill
 from ragblend.fallback import CACHE_MISS, CONTROLLER_FULL, NO_KNOWN_CHUNK, fall_back
 from ragblend.fusion.fusor import Segment, fuse
 from ragblend.models.hf_cache import dynamic_cache_of
+from ragblend.store.layered import served_from
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -52,6 +54,8 @@ class PrefillPlan:
     cache, reuse), ``ratio`` (blend's), and ``load_ms``, the lookup's time. ``missing``: the
     indices of the chunks that missed the store (``None`` where chunks were not looked up:
     full and prefix modes, a controller fallback). ``decision``: the loading controller's.
+    ``chunk_tiers``: how many of the chunk hits each tier served (``(("ram", 4), ("redis",
+    2))``; a layered store names the tier an entry was read from).
     """
 
     prompt: TokenizedPrompt
@@ -65,6 +69,7 @@ class PrefillPlan:
     fallback_reason: str | None = None
     fallback_message: str | None = None
     load_ms: float = 0.0
+    chunk_tiers: tuple[tuple[str, int], ...] = ()
 
     @property
     def fused(self) -> bool:
@@ -100,6 +105,7 @@ class PrefillPlan:
         if self.missing is not None:
             stats.chunk_misses = len(self.missing)
             stats.chunk_hits = self.chunk_hits
+            stats.extra["chunk_tiers"] = dict(self.chunk_tiers)  # the tier that served each hit
         if self.fallback_reason is not None:
             log.info("full prefill instead of %s: %s", stats.mode, self.fallback_message)
             fall_back(stats, self.fallback_reason, self.fallback_message)
@@ -176,6 +182,8 @@ def _looked_up(
         segments = chunks.prefix_segments(prompt)
         return PrefillPlan(prompt, mode, mode, tuple(segments), load_ms=_ms_since(t_load))
     found, missing = chunks.lookup(prompt)
+    held = [s.kv for s in found if s.kind == "chunk" and s.kv is not None]
+    tiers = tuple(collections.Counter(served_from(chunks.store, kv) for kv in held).items())
     if len(missing) == len(prompt.chunks):
         what = "every chunk missed the cache" if prompt.chunks else "no chunks given"
         return PrefillPlan(
@@ -184,6 +192,7 @@ def _looked_up(
             "full",
             missing=tuple(missing),
             decision=decision,
+            chunk_tiers=tiers,
             fallback_reason=CACHE_MISS if prompt.chunks else NO_KNOWN_CHUNK,
             fallback_message=f"no chunk to fuse: {what}; precompute the chunks first",
         )
@@ -197,6 +206,7 @@ def _looked_up(
         tuple(missing),
         decision,
         load_ms=_ms_since(t_load),
+        chunk_tiers=tiers,
     )
 
 

@@ -137,6 +137,47 @@ def add_parser(sub) -> None:
         "--max-queue", metavar="N", type=int, default=64, help="waiting requests before 429"
     )
     p.add_argument("--max-tokens", metavar="N", type=int, default=256, help="default max_tokens")
+    p.add_argument(
+        "--ram-bytes",
+        metavar="N",
+        type=int,
+        default=None,
+        help="capacity of the RAM tier in front of the store, per process (default 4 GiB)",
+    )
+    ray = p.add_argument_group("Ray Serve replicas (--ray; needs --redis-url)")
+    ray.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        nargs="?",
+        const="local",
+        default=None,
+        help="serve from Ray Serve replicas sharing the --redis-url store: a cluster address "
+        "('auto', 'ray://host:10001') or none for a local Ray instance",
+    )
+    ray.add_argument("--replicas", metavar="N", type=int, default=None, help="replicas (default 2)")
+    ray.add_argument(
+        "--replica-cpus",
+        metavar="C",
+        type=float,
+        default=None,
+        help="CPUs each replica reserves and computes on (default 1)",
+    )
+    ray.add_argument(
+        "--routing",
+        metavar="R",
+        default=None,
+        choices=("chunk", "pow2"),
+        help="chunk (default: to the replica that served the request's chunks recently) or "
+        "pow2 (Ray Serve's power of two choices)",
+    )
+    ray.add_argument(
+        "--route-load-bound",
+        metavar="N",
+        type=int,
+        default=None,
+        help="requests in flight the chunk's replica may have beyond the least loaded one "
+        "before a request goes to the least loaded (default 4)",
+    )
     p.set_defaults(func=run)
 
 
@@ -181,7 +222,50 @@ def warn_if_exposed(host: str, api_key: str | Sequence[str] | None) -> bool:
     return True
 
 
+RAY_FLAGS = {
+    "replicas": "--replicas",
+    "replica_cpus": "--replica-cpus",
+    "routing": "--routing",
+    "route_load_bound": "--route-load-bound",
+}
+
+
+def config_fields(args: argparse.Namespace) -> dict:
+    """``BlendConfig``'s keyword arguments from the flags (plain data: Ray sends it on)."""
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "namespace": args.namespace,
+        "kv_dtype": args.kv_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "decode_activations": args.decode_activations,
+        "layer_kernels": args.layer_kernels,
+        "decode_slots": args.decode_slots,
+        "cuda_graphs": args.cuda_graphs,
+    }
+
+
+def model_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names requests may use: ``--served-model-name``, then ``--model``."""
+    return tuple(dict.fromkeys(n for n in (args.served_model_name, args.model) if n))
+
+
+def checked_keys(args: argparse.Namespace) -> list[str]:
+    """The API keys, after checking ``--timeout`` and warning about an exposed host."""
+    keys = api_keys(args.api_key, args.api_key_file, os.environ.get("RAGBLEND_API_KEY"))
+    if args.timeout is not None and args.timeout <= 0:
+        raise RagblendError(f"--timeout must be > 0, got {args.timeout}")
+    warn_if_exposed(args.host, keys)
+    return keys
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return run_on_ray(args)
+    given = [flag for name, flag in RAY_FLAGS.items() if getattr(args, name) is not None]
+    if given:
+        raise RagblendError(f"{', '.join(given)} only apply with --ray")
     try:
         import uvicorn
 
@@ -193,27 +277,12 @@ def run(args: argparse.Namespace) -> int:
     from ragblend.config import BlendConfig
     from ragblend.engine import BlendEngine
 
-    keys = api_keys(args.api_key, args.api_key_file, os.environ.get("RAGBLEND_API_KEY"))
-    if args.timeout is not None and args.timeout <= 0:
-        raise RagblendError(f"--timeout must be > 0, got {args.timeout}")
-    warn_if_exposed(args.host, keys)
-    config = BlendConfig(
-        device=args.device,
-        dtype=args.dtype,
-        weights=args.weights,
-        namespace=args.namespace,
-        kv_dtype=args.kv_dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        decode_activations=args.decode_activations,
-        layer_kernels=args.layer_kernels,
-        decode_slots=args.decode_slots,
-        cuda_graphs=args.cuda_graphs,
-    )
-    store = open_store(StoreFlags.of(args), ram_front=True)
-    names = tuple(dict.fromkeys(n for n in (args.served_model_name, args.model) if n))
+    keys = checked_keys(args)
+    config = BlendConfig(**config_fields(args))
+    store = open_store(StoreFlags.of(args), ram_front=True, ram_bytes=args.ram_bytes)
     app = create_app(
         lambda: BlendEngine.from_pretrained(args.model, config=config, store=store),
-        model_names=names,
+        model_names=model_names(args),
         api_key=keys,
         max_running=args.max_running,
         max_queue=args.max_queue,
@@ -242,3 +311,44 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:
         raise RagblendError(f"could not serve on {args.host}:{args.port} (see the log above)")
     return 0
+
+
+def run_on_ray(args: argparse.Namespace) -> int:
+    """``ragblend serve --ray``: the same app from Ray Serve replicas sharing ``--redis-url``."""
+    if not args.redis_url:
+        raise RagblendError(
+            "--ray serves from replicas that share chunks through the store: give --redis-url "
+            "(a Redis server or any node of a Redis Cluster); --store-path or the default disk "
+            "store is local to one process"
+        )
+    from ragblend.serving.affinity import DEFAULT_LOAD_BOUND
+    from ragblend.serving.ray_replica import ReplicaSettings
+
+    keys = checked_keys(args)
+    cpus = 1.0 if args.replica_cpus is None else args.replica_cpus
+    settings = ReplicaSettings(
+        model=args.model,
+        redis_url=args.redis_url,
+        config=config_fields(args),
+        namespace=args.namespace,
+        ram_bytes=args.ram_bytes,
+        threads=max(1, int(cpus)),
+        model_names=model_names(args),
+        api_keys=tuple(keys),
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens,
+        timeout_s=args.timeout,
+        allowed_origins=tuple(origins(args.allowed_origins)),
+    )
+    from ragblend.serving.ray_serve import RayOptions, serve_forever
+
+    options = RayOptions(
+        replicas=2 if args.replicas is None else args.replicas,
+        replica_cpus=cpus,
+        replica_gpus=1.0 if str(args.device).startswith("cuda") else 0.0,
+        routing=args.routing or "chunk",
+        load_bound=DEFAULT_LOAD_BOUND if args.route_load_bound is None else args.route_load_bound,
+    )
+    options.check()
+    return serve_forever(settings, options, address=args.ray, host=args.host, port=args.port)

@@ -9,8 +9,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from ragblend.decode import BlendStats
 
@@ -80,6 +84,12 @@ class ServerMetrics:
         self.chunk_misses = Counter(
             "ragblend:chunk_misses", "Chunks found in a prompt but not in the store", registry=r
         )
+        self.chunk_tier_hits = Counter(
+            "ragblend:chunk_tier_hits",
+            "Chunks served from the KV store, by the tier that held them (ram, redis, disk)",
+            ["tier"],
+            registry=r,
+        )
         self.decode_rate = Gauge(
             "ragblend:decode_tokens_per_second",
             f"Tokens per second of decode steps over the last {RATE_WINDOW_S:g} s (all slots)",
@@ -106,6 +116,8 @@ class ServerMetrics:
             self.fallbacks.labels(reason=stats.fallback_reason).inc()
         self.chunk_hits.inc(stats.chunk_hits)
         self.chunk_misses.inc(stats.chunk_misses)
+        for tier, n in (stats.extra.get("chunk_tiers") or {}).items():
+            self.chunk_tier_hits.labels(tier=tier).inc(n)
 
     def token(self, since_last: float | None) -> None:
         """A token was handed out, ``since_last`` seconds after the request's previous one."""
@@ -139,3 +151,33 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def merge_labelled(texts: Mapping[str, str], label: str = "replica") -> bytes:
+    """Several servers' Prometheus texts as one exposition: every sample of ``texts[name]``
+    gains the label ``label="name"``, and each metric family is written once (``ragblend serve
+    --ray``: one text per replica). Families keep their type, help and sample order."""
+    families: dict[str, Metric] = {}
+    for name, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            for s in family.samples:
+                labels = {**s.labels, label: name}
+                merged.samples.append(s._replace(labels=labels))
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families(Collector):
+    """A collector that yields fixed metric families (:func:`merge_labelled`)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families

@@ -72,6 +72,7 @@ def open_store(
     require_redis: bool = False,
     block_when_full: bool = False,
     existing: bool = False,
+    ram_bytes: int | None = None,
 ) -> KVStore:
     """The store the flags name: the Redis tier when ``redis_url`` is set, else the disk tier
     at ``store_path`` (default ``$RAGBLEND_HOME/kv``).
@@ -80,10 +81,16 @@ def open_store(
     its lookups misses until it is back). ``require_redis``: an unreachable Redis is an error
     (a warmup). ``block_when_full``: Redis writes wait instead of dropping when the write
     queue is full. ``existing``: the disk store must already exist (inspection; never
-    evicts).
+    evicts). ``ram_bytes``: the RAM tier's capacity (default: ``MemoryStore``'s).
     """
     from ragblend.store.disk import DEFAULT_DISK_BYTES, DiskStore, default_store_path
     from ragblend.store.memory import MemoryStore
+
+    if ram_bytes is not None and ram_bytes < 1:
+        raise RagblendError(f"the RAM tier needs a capacity >= 1 byte, got {ram_bytes}")
+
+    def ram() -> MemoryStore:
+        return MemoryStore() if ram_bytes is None else MemoryStore(ram_bytes)
 
     if flags.redis_url:
         from ragblend.store.layered import LayeredStore
@@ -96,7 +103,7 @@ def open_store(
             if require_redis:
                 raise RagblendError(f"cannot reach Redis at {redis.url}: {redis.last_error}")
             log.warning("the Redis tier is unreachable now: lookups are misses until it is back")
-        return LayeredStore([MemoryStore(), redis]) if ram_front else redis
+        return LayeredStore([ram(), redis]) if ram_front else redis
     root = Path(flags.store_path) if flags.store_path else default_store_path()
     if existing and not (root / "index").is_dir():
         raise RagblendError(f"no KV store at {root}")
@@ -105,5 +112,5 @@ def open_store(
     if ram_front:
         from ragblend.store.tiered import TieredStore
 
-        return TieredStore(MemoryStore(), disk)
+        return TieredStore(ram(), disk)
     return disk

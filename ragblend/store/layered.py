@@ -28,8 +28,11 @@ class PromotedKV:
     tier propagates (the engine discards the entry and recomputes); nothing is promoted then.
     """
 
-    def __init__(self, key: str, entry: KVEntry, above: Sequence[KVStore]) -> None:
+    def __init__(
+        self, key: str, entry: KVEntry, above: Sequence[KVStore], source_tier: str = ""
+    ) -> None:
         self.key = key
+        self.source_tier = source_tier  # the name of the tier that held the entry
         self._entry = entry
         self._above = list(above)
         self.meta = entry.meta
@@ -113,7 +116,9 @@ class LayeredStore:
             entry = tier.get(key)
             if entry is not None:
                 self.stats.count("hits")
-                return entry if depth == 0 else PromotedKV(key, entry, self.tiers[:depth])
+                if depth == 0:
+                    return entry
+                return PromotedKV(key, entry, self.tiers[:depth], tier.tier)
         self.stats.count("misses")
         return None
 
@@ -137,3 +142,12 @@ class LayeredStore:
 
     def __repr__(self) -> str:
         return f"LayeredStore({self.tiers!r})"
+
+
+def served_from(store: KVStore, entry: KVEntry) -> str:
+    """The name of the tier that held ``entry`` when ``store.get`` handed it out (a layered
+    store's first tier unless the entry was read through from a lower one)."""
+    if isinstance(entry, PromotedKV) and entry.source_tier:
+        return entry.source_tier
+    tiers = getattr(store, "tiers", None)
+    return tiers[0].tier if tiers else store.tier
