@@ -13,7 +13,7 @@ from torch import nn
 
 from ragblend import BlendConfig, BlendEngine, cpu
 from ragblend.kernels.cpu import dense_decode
-from ragblend.kernels.cpu import packed as packing
+from ragblend.models import packed as packing
 from ragblend.kernels.cpu.dense_decode import MAX_ROWS, dense_kernel, tolerance
 
 pytestmark = pytest.mark.skipif(
