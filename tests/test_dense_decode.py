@@ -13,8 +13,8 @@ from torch import nn
 
 from ragblend import BlendConfig, BlendEngine, cpu
 from ragblend.kernels.cpu import dense_decode
-from ragblend.models import packed as packing
 from ragblend.kernels.cpu.dense_decode import MAX_ROWS, dense_kernel, tolerance
+from ragblend.models import packed as packing
 
 pytestmark = pytest.mark.skipif(
     not cpu.isa_at_least(dense_decode.LEVEL),
