@@ -39,7 +39,7 @@ from safetensors.torch import load as st_load
 from ragblend.errors import CorruptEntryError, RagblendError
 from ragblend.redact import redact_url
 from ragblend.store.base import KVEntry, StoreStats
-from ragblend.store.redis_client import RedisConnection, Unreachable, redis_module
+from ragblend.store.redis_client import RedisConnection, Unreachable
 from ragblend.store.redis_entry import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -122,7 +122,7 @@ class RedisStore:
         self.dropped_writes = 0
         self.bytes_written = 0
         self.layer_round_trips = 0  # layer reads sent (each one pipeline, any entry count)
-        self._redis_error = redis_module().exceptions.RedisError
+        self._redis_error = self.connection.redis_error
         self._warned: set[str] = set()
         self._state = threading.Lock()
         self._pending: dict[str, KVEntry] = {}
